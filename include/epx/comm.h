@@ -1,0 +1,123 @@
+// The expert-parallel group and its collective operations.
+//
+// A Group is one EP group of R ranks holding E experts, E/R per rank (rank r owns experts
+// [r*E/R, (r+1)*E/R)). It owns the communication resources sized ONCE from GroupConfig
+// (rank-major windows of max_tokens_per_rank x R rows, never an expert-major worst case), so every
+// op has fixed shapes and a whole layer can be captured in a CUDA graph.
+//
+// dispatch_forward moves each token once per destination RANK (dedup), then the receiver expands
+// it into the expert-major layout: local expert j's rows are contiguous, ordered by (source rank,
+// source token, topk slot), padded to a multiple of `align` with zero rows. combine_forward
+// reduces on the expert side, per (token, source rank), in fp32 over the topk slots in ascending
+// order, rounds that partial to the payload dtype (it travels in that dtype), and the source sums
+// the partials of ranks 0..R-1 in fp32 and rounds once more: results are bit-identical run to run.
+//
+// Backward: combine_backward = dispatch of d_out (times the row weight) plus the gradient of the
+// row weights (fp32 dot products of d_out and y); dispatch_backward = combine of the row gradients
+// (unweighted) plus the row-weight gradients sent back to their [T, K] slots.
+//
+// Every op is collective over the group: all ranks call it, in the same order, on one stream each.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/tensor.h"
+
+namespace epx {
+
+class Handle;
+struct GroupState;
+
+enum class Transport : uint8_t {
+  kAuto,      // zero-copy where peers are reachable by load/store, staged otherwise
+  kZeroCopy,  // NCCL device API: LSA pointers into peers' symmetric windows
+  kStaged,    // ncclSend/ncclRecv of compacted rows (other nodes; EPX_TRANSPORT=staged)
+  kHost,      // the CPU reference: ranks are threads, windows are shared host buffers
+};
+const char* transport_name(Transport t);
+
+struct GroupConfig {
+  int num_experts = 0;
+  int64_t hidden = 0;
+  int max_tokens_per_rank = 0;
+  int max_topk = 16;
+  DType max_dtype = DType::kBF16;  // widest payload the buffers are sized for
+  int align = 1;                   // expert segment padding: 1, 16, 32 or 128 rows (any power of two)
+  int64_t recv_capacity_rows = 0;  // 0 = worst case (R * max_tokens * min(K, E/R) + padding)
+  int num_sms = 0;                 // SMs for communication kernels; 0 = auto
+  double timeout_s = 0;            // device/host waits; 0 = EPX_TIMEOUT_S or 10 s
+  Transport transport = Transport::kAuto;
+
+  void validate(const char* fn, int num_ranks) const;
+};
+
+/// One rank's view of an EP group.
+class Group {
+ public:
+  Group();
+  ~Group();
+  Group(Group&&) noexcept;
+  Group& operator=(Group&&) noexcept;
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  /// CPU reference backend: R simulated ranks in this process. Element r is rank r's view and
+  /// must be used by one thread (see run_ranks); all views share the windows and the barrier.
+  static std::vector<Group> create_simulated(int num_ranks, const GroupConfig& config);
+
+  int rank() const;
+  int size() const;
+  int local_experts() const;
+  int first_local_expert() const { return rank() * local_experts(); }
+  const GroupConfig& config() const;
+  Device device() const;
+  Transport transport() const;
+  /// Rows of every expert-major buffer (recv_x, y, ...): the configured or worst-case capacity.
+  int64_t recv_capacity_rows() const;
+  /// Bytes of communication buffers this rank registered (windows, staging, metadata).
+  size_t registered_bytes() const;
+  /// Raises any error the device recorded since the last check (overflow, peer timeout).
+  void check();
+
+  GroupState& state() const;
+
+ private:
+  explicit Group(std::unique_ptr<GroupState> s);
+  std::unique_ptr<GroupState> state_;
+};
+
+/// Runs fn(group_of_rank_r) on one thread per rank and joins them; the first exception thrown by
+/// any rank is rethrown (after all threads ended) with the rank named.
+void run_ranks(std::vector<Group>& groups, const std::function<void(Group&)>& fn);
+
+/// Sum of a float tensor over the group, in place, in rank order (deterministic).
+void all_reduce_sum(Group& group, const TensorRef& buffer, Stream stream = {});
+
+/// x [T, H] payload; topk_weights [T, K] fp32 (optional: only weighted combine / early weights
+/// need them). recv_x [>= recv_capacity_rows, H] same dtype as x; recv_weights [>= rows] fp32
+/// (optional) receives each row's topk weight (0 on padding rows).
+void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& topk_weights,
+                      const TensorRef& recv_x, const TensorRef& recv_weights, Stream stream = {});
+
+/// y [>= rows, H] expert outputs in recv_x's layout (padding rows are never read).
+/// row_weights: recv_weights from dispatch for a weighted sum, or undefined for a plain sum
+/// (weights already applied between FC1 and FC2). out [T, H] in y's dtype.
+void combine_forward(Group& group, Handle& handle, const TensorRef& y, const TensorRef& row_weights,
+                     const TensorRef& out, Stream stream = {});
+
+/// d_out [T, H] -> d_y [>= rows, H] (w_row * d_out[t], zero padding) and, when row_weights is
+/// given, d_row_weights [>= rows] fp32 = <d_out[t], y[row]>; y is the forward's expert output.
+void combine_backward(Group& group, Handle& handle, const TensorRef& d_out, const TensorRef& y,
+                      const TensorRef& row_weights, const TensorRef& d_y, const TensorRef& d_row_weights,
+                      Stream stream = {});
+
+/// d_recv_x [>= rows, H] -> d_x [T, H] (sum over the token's rows); d_recv_weights [>= rows]
+/// (optional) -> d_topk_weights [T, K] fp32 (0 for masked or dropped slots).
+void dispatch_backward(Group& group, Handle& handle, const TensorRef& d_recv_x, const TensorRef& d_recv_weights,
+                       const TensorRef& d_x, const TensorRef& d_topk_weights, Stream stream = {});
+
+}  // namespace epx

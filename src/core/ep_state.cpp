@@ -1,0 +1,131 @@
+// Members of the public Group and Handle, and the group configuration checks.
+#include "core/ep_state.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "core/device_memory.h"
+#include "epx/error.h"
+
+namespace epx {
+
+const char* transport_name(Transport t) {
+  switch (t) {
+    case Transport::kAuto: return "auto";
+    case Transport::kZeroCopy: return "zero-copy";
+    case Transport::kStaged: return "staged";
+    case Transport::kHost: return "host";
+  }
+  return "?";
+}
+
+void GroupConfig::validate(const char* fn, int num_ranks) const {
+  require(num_ranks >= 1, fn, "the group has ", num_ranks, " ranks, expected >= 1");
+  require(num_experts >= 1, fn, "config.num_experts is ", num_experts, ", expected >= 1");
+  require(num_experts % num_ranks == 0, fn, "config.num_experts is ", num_experts,
+          ", expected a multiple of the group size ", num_ranks);
+  require(hidden >= 1, fn, "config.hidden is ", hidden, ", expected >= 1");
+  require(max_tokens_per_rank >= 1, fn, "config.max_tokens_per_rank is ", max_tokens_per_rank, ", expected >= 1");
+  require(max_topk >= 1 && max_topk <= 64, fn, "config.max_topk is ", max_topk, ", expected 1..64");
+  require(align >= 1 && align <= 1024 && (align & (align - 1)) == 0, fn, "config.align is ", align,
+          ", expected a power of two in [1, 1024] (1, 16, 32 and 128 are the usual ones)");
+  require(max_dtype == DType::kBF16 || max_dtype == DType::kF16 || max_dtype == DType::kF32 ||
+              max_dtype == DType::kF8E4M3 || max_dtype == DType::kF8E5M2,
+          fn, "config.max_dtype is ", dtype_name(max_dtype), ", expected a payload dtype (fp32, bf16, fp16, fp8)");
+  require(recv_capacity_rows >= 0, fn, "config.recv_capacity_rows is ", recv_capacity_rows, ", expected >= 0");
+  require(num_sms >= 0, fn, "config.num_sms is ", num_sms, ", expected >= 0 (0 = auto)");
+  require(timeout_s >= 0, fn, "config.timeout_s is ", timeout_s, ", expected >= 0 (0 = default)");
+}
+
+int64_t worst_case_recv_rows(const GroupConfig& c, int num_ranks) {
+  const int64_t le = c.num_experts / num_ranks;
+  return static_cast<int64_t>(num_ranks) * c.max_tokens_per_rank * std::min<int64_t>(c.max_topk, le) +
+         le * (c.align - 1);
+}
+
+uint64_t next_group_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
+// ---- Group ----------------------------------------------------------------------------------
+Group::Group() = default;
+Group::~Group() = default;
+Group::Group(Group&&) noexcept = default;
+Group& Group::operator=(Group&&) noexcept = default;
+Group::Group(std::unique_ptr<GroupState> s) : state_(std::move(s)) {}
+
+GroupState& Group::state() const {
+  if (!state_) throw Error(Status::kInvalidArgument, "epx::Group: used after move or before creation");
+  return *state_;
+}
+int Group::rank() const { return state().rank; }
+int Group::size() const { return state().size; }
+int Group::local_experts() const { return state().local_experts; }
+const GroupConfig& Group::config() const { return state().config; }
+Device Group::device() const { return state().device; }
+Transport Group::transport() const { return state().transport; }
+int64_t Group::recv_capacity_rows() const { return state().recv_capacity_rows; }
+size_t Group::registered_bytes() const { return state().registered_bytes; }
+void Group::check() { state().check(); }
+
+void run_ranks(std::vector<Group>& groups, const std::function<void(Group&)>& fn) {
+  std::vector<std::exception_ptr> errors(groups.size());
+  std::vector<std::thread> threads;
+  threads.reserve(groups.size());
+  for (size_t r = 0; r < groups.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(groups[r]);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (size_t r = 0; r < groups.size(); ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const Error& e) {
+      throw Error(e.status(), detail::concat("rank ", r, ": ", e.what()));
+    } catch (const std::exception& e) {
+      throw Error(Status::kInternal, detail::concat("rank ", r, ": ", e.what()));
+    }
+  }
+}
+
+// ---- Handle ---------------------------------------------------------------------------------
+Handle::Handle() = default;
+Handle::~Handle() = default;
+Handle::Handle(Handle&&) noexcept = default;
+Handle& Handle::operator=(Handle&&) noexcept = default;
+Handle::Handle(std::unique_ptr<HandleState> s) : state_(std::move(s)) {}
+
+HandleState& Handle::state() const {
+  if (!state_) throw Error(Status::kInvalidArgument, "epx::Handle: used before prepare() or after move");
+  return *state_;
+}
+int Handle::num_tokens() const { return state().num_tokens; }
+int Handle::topk() const { return state().topk; }
+int Handle::capacity() const { return state().capacity; }
+bool Handle::dispatched() const { return state().dispatched; }
+const TensorRef& Handle::expert_offsets() const { return state().expert_offsets.ref(); }
+const TensorRef& Handle::expert_rows() const { return state().expert_rows.ref(); }
+const TensorRef& Handle::routed_counts() const { return state().routed_counts.ref(); }
+const TensorRef& Handle::routed_experts() const { return state().routed_experts.ref(); }
+
+std::vector<int32_t> Handle::expert_offsets_host() const {
+  Tensor h = state().expert_offsets.to(Device::cpu());
+  return std::vector<int32_t>(h.ptr<int32_t>(), h.ptr<int32_t>() + h.numel());
+}
+
+int64_t Handle::num_recv_rows_host() const {
+  std::vector<int32_t> o = expert_offsets_host();
+  return o.empty() ? 0 : o.back();
+}
+
+}  // namespace epx

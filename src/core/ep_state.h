@@ -1,0 +1,81 @@
+// The state behind the public Group and Handle, shared by every backend.
+//
+// GroupState is the backend interface: the host reference (ranks as threads, windows as shared host
+// buffers) and the NCCL backend (symmetric windows, LSA pointers) both implement it, with the same
+// window layout and the same offset arithmetic, so the reference exercises in CI the logic the GPU
+// kernels use. The public entry points validate arguments once, then call these methods.
+//
+// HandleState holds the routing of one layer x one microbatch, in the group's device memory:
+//   send side  routed_experts [T,K]  kept expert per slot or -1
+//              pair_pos       [T,K]  index of the pair among this rank's pairs to that expert
+//              token_slot     [T,R]  row of token t in the compact list sent to rank r, or -1
+//              send_tokens    [R]    tokens sent to each rank (dedup: once per rank)
+//              routed_counts  [E]    kept pairs per expert
+//   recv side  recv_pairs     [R,Le] pairs from source s to local expert j
+//              recv_tokens    [R]    token rows received from source s
+//              expert_rows    [Le]   unpadded rows per local expert
+//              expert_offsets [Le+1] padded offsets; [Le] = rows in use
+//              recv_row       [R, max_tokens, K] expert-major row of (source, slot, k) or -1,
+//                                    written by dispatch_forward, read by the other three ops
+//              status         [2]    {overflow: rows needed beyond capacity, first bad id + 1}
+#pragma once
+
+#include <cstdint>
+
+#include "epx/comm.h"
+#include "epx/layout.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+struct HandleState {
+  uint64_t group_id = 0;
+  int num_tokens = 0;
+  int topk = 0;
+  int num_experts = 0;
+  int num_ranks = 0;
+  int local_experts = 0;
+  int max_tokens = 0;
+  int capacity = 0;
+  bool dispatched = false;
+
+  Tensor routed_experts, pair_pos, token_slot, send_tokens, routed_counts;
+  Tensor recv_pairs, recv_tokens, expert_rows, expert_offsets, recv_row;
+  Tensor status;
+};
+
+struct GroupState {
+  GroupConfig config;
+  int rank = 0;
+  int size = 1;
+  int local_experts = 0;
+  uint64_t id = 0;
+  Device device;
+  Transport transport = Transport::kHost;
+  int64_t recv_capacity_rows = 0;
+  size_t registered_bytes = 0;
+
+  virtual ~GroupState() = default;
+  virtual void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights,
+                       const PrepareOptions& options, Stream stream) = 0;
+  virtual void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& topk_weights,
+                                const TensorRef& recv_x, const TensorRef& recv_weights, Stream stream) = 0;
+  virtual void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights,
+                               const TensorRef& out, Stream stream) = 0;
+  virtual void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y,
+                                const TensorRef& row_weights, const TensorRef& d_y,
+                                const TensorRef& d_row_weights, Stream stream) = 0;
+  virtual void dispatch_backward(HandleState& h, const TensorRef& d_recv_x, const TensorRef& d_recv_weights,
+                                 const TensorRef& d_x, const TensorRef& d_topk_weights, Stream stream) = 0;
+  virtual void all_reduce_sum(const TensorRef& buffer, Stream stream) = 0;
+  virtual void check() = 0;
+};
+
+/// Worst-case expert-major rows one rank can receive: every token of every rank sends
+/// min(K, E/R) pairs here, plus a partially filled `align` block per local expert.
+int64_t worst_case_recv_rows(const GroupConfig& config, int num_ranks);
+
+/// A process-unique id for a new group (handles remember the id of the group that made them).
+uint64_t next_group_id();
+
+}  // namespace epx

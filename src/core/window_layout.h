@@ -1,0 +1,59 @@
+// Layout of one rank's communication window, the same for the host reference and the GPU
+// backends. Sources write into region [source rank] of the destination's window, so no two ranks
+// ever write the same bytes and no atomics cross the link.
+//
+//   header [R][kHeaderInts] int32   per source: pairs for each local expert, token rows, top-k
+//   meta   [R][max_tokens][max_topk] RowMeta  per received token and slot: local expert, position, weight
+//   rows   [R][max_tokens][row_bytes]  token rows (dispatch, combine_backward) or partial sums
+//                                       travelling back (combine, dispatch_backward)
+//   reduce [R][kReduceBytes]            all_reduce_sum chunks
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "epx/comm.h"
+
+namespace epx {
+
+struct RowMeta {
+  int32_t local_expert;  // -1: this slot's expert lives on another rank (or the slot is masked)
+  int32_t position;      // index among the source's pairs to that expert (its order in the segment)
+  float weight;          // topk weight (dispatch) or its gradient (dispatch_backward)
+};
+
+struct WindowLayout {
+  static constexpr size_t kReduceBytes = 64 * 1024;
+  int num_ranks = 0;
+  int local_experts = 0;
+  int max_tokens = 0;
+  int max_topk = 0;
+  size_t header_ints = 0;  // per source: local_experts + 2
+  size_t row_bytes = 0;    // hidden * max dtype size, rounded up to 16 bytes
+  size_t header = 0, meta = 0, rows = 0, reduce = 0, total = 0;
+
+  static WindowLayout make(const GroupConfig& c, int num_ranks) {
+    auto up = [](size_t n, size_t a) { return (n + a - 1) / a * a; };
+    WindowLayout w;
+    w.num_ranks = num_ranks;
+    w.local_experts = c.num_experts / num_ranks;
+    w.max_tokens = c.max_tokens_per_rank;
+    w.max_topk = c.max_topk;
+    w.header_ints = static_cast<size_t>(w.local_experts) + 2;
+    w.row_bytes = up(static_cast<size_t>(c.hidden) * dtype_size(c.max_dtype), 16);
+    w.header = 0;
+    w.meta = up(w.header + num_ranks * w.header_ints * sizeof(int32_t), 256);
+    w.rows = up(w.meta + static_cast<size_t>(num_ranks) * w.max_tokens * w.max_topk * sizeof(RowMeta), 256);
+    w.reduce = up(w.rows + static_cast<size_t>(num_ranks) * w.max_tokens * w.row_bytes, 256);
+    w.total = w.reduce + static_cast<size_t>(num_ranks) * kReduceBytes;
+    return w;
+  }
+  size_t header_offset(int src) const { return header + src * header_ints * sizeof(int32_t); }
+  size_t meta_offset(int src, int slot) const {
+    return meta + (static_cast<size_t>(src) * max_tokens + slot) * max_topk * sizeof(RowMeta);
+  }
+  size_t row_offset(int src, int slot) const { return rows + (static_cast<size_t>(src) * max_tokens + slot) * row_bytes; }
+  size_t reduce_offset(int src) const { return reduce + static_cast<size_t>(src) * kReduceBytes; }
+};
+
+}  // namespace epx

@@ -1,0 +1,179 @@
+// Public entry points of the EP ops: validate every argument once, before any work is queued, then
+// hand over to the group's backend. Nothing here touches data.
+#include <cmath>
+#include <memory>
+
+#include "core/check.h"
+#include "core/ep_state.h"
+#include "epx/comm.h"
+#include "epx/error.h"
+#include "epx/layout.h"
+
+namespace epx {
+
+using detail::check_device;
+using detail::check_min_rows;
+using detail::check_tensor;
+
+namespace {
+
+constexpr std::initializer_list<DType> kPayloadTypes = {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3,
+                                                        DType::kF8E5M2};
+
+void check_payload_width(const char* fn, const char* name, const TensorRef& t, const GroupConfig& c) {
+  require(dtype_size(t.dtype()) <= dtype_size(c.max_dtype), fn, name, " has dtype ", dtype_name(t.dtype()), " (",
+          dtype_size(t.dtype()), " bytes), wider than the group's max_dtype ", dtype_name(c.max_dtype), " (",
+          dtype_size(c.max_dtype), " bytes); create the group with max_dtype = ", dtype_name(t.dtype()));
+}
+
+void check_handle(const char* fn, const GroupState& g, const HandleState& h, bool must_be_dispatched) {
+  require(h.group_id == g.id, fn, "the handle was prepared on another group (a handle belongs to one group, "
+          "one layer and one microbatch)");
+  if (must_be_dispatched)
+    require(h.dispatched, fn, "the handle has not been dispatched yet (call dispatch_forward first)");
+}
+
+void check_all_on(const char* fn, Device dev, std::initializer_list<std::pair<const char*, const TensorRef*>> ts) {
+  for (auto& [name, t] : ts) check_device(fn, name, *t, dev);
+}
+
+}  // namespace
+
+Handle prepare(Group& group, const TensorRef& topk_idx, const TensorRef& topk_weights, const PrepareOptions& options,
+               Stream stream) {
+  const char* fn = "epx::prepare";
+  GroupState& g = group.state();
+  const GroupConfig& c = g.config;
+  check_tensor(fn, "topk_idx", topk_idx, {-1, -1}, {DType::kI32, DType::kI64});
+  const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
+  require(K >= 1 && K <= c.max_topk, fn, "topk_idx has ", K, " columns (top-k), expected 1..", c.max_topk,
+          " (the group's max_topk)");
+  require(K <= c.num_experts, fn, "topk_idx has ", K, " columns (top-k), more than the ", c.num_experts, " experts");
+  require_status(T <= c.max_tokens_per_rank, Status::kCapacityExceeded, fn, "topk_idx has ", T,
+                 " rows (tokens), the group was sized for max_tokens_per_rank = ", c.max_tokens_per_rank);
+  require(std::isfinite(options.capacity_factor) && options.capacity_factor >= 0, fn, "options.capacity_factor is ",
+          options.capacity_factor, ", expected >= 0 (0 = dropless)");
+  const bool need_weights = options.capacity_factor > 0 && options.drop_policy == DropPolicy::kByProbability;
+  if (need_weights || topk_weights.defined())
+    check_tensor(fn, "topk_weights", topk_weights, {T, K}, {DType::kF32});
+  check_all_on(fn, g.device, {{"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}});
+
+  auto s = std::make_unique<HandleState>();
+  s->group_id = g.id;
+  s->num_tokens = static_cast<int>(T);
+  s->topk = static_cast<int>(K);
+  s->num_experts = c.num_experts;
+  s->num_ranks = g.size;
+  s->local_experts = g.local_experts;
+  s->max_tokens = c.max_tokens_per_rank;
+  s->capacity = options.capacity_factor > 0
+                    ? static_cast<int>(std::ceil(static_cast<double>(options.capacity_factor) * T * K / c.num_experts))
+                    : 0;
+  g.prepare(*s, topk_idx, need_weights ? topk_weights : TensorRef(), options, stream);
+  return Handle(std::move(s));
+}
+
+void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& topk_weights,
+                      const TensorRef& recv_x, const TensorRef& recv_weights, Stream stream) {
+  const char* fn = "epx::dispatch_forward";
+  GroupState& g = group.state();
+  HandleState& h = handle.state();
+  check_handle(fn, g, h, false);
+  require(!h.dispatched, fn, "the handle was already dispatched; prepare a new handle for every layer and "
+          "microbatch (its backward still needs this one's routing)");
+  const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
+  check_tensor(fn, "x", x, {T, H}, kPayloadTypes);
+  check_payload_width(fn, "x", x, g.config);
+  if (topk_weights.defined()) check_tensor(fn, "topk_weights", topk_weights, {T, K}, {DType::kF32});
+  check_tensor(fn, "recv_x", recv_x, {-1, H}, {x.dtype()});
+  check_min_rows(fn, "recv_x", recv_x, cap);
+  if (recv_weights.defined()) {
+    require(topk_weights.defined(), fn, "recv_weights is given but topk_weights is missing");
+    check_tensor(fn, "recv_weights", recv_weights, {-1}, {DType::kF32});
+    check_min_rows(fn, "recv_weights", recv_weights, cap);
+  }
+  check_all_on(fn, g.device,
+               {{"x", &x}, {"topk_weights", &topk_weights}, {"recv_x", &recv_x}, {"recv_weights", &recv_weights}});
+  g.dispatch_forward(h, x, topk_weights, recv_x, recv_weights, stream);
+  h.dispatched = true;
+}
+
+void combine_forward(Group& group, Handle& handle, const TensorRef& y, const TensorRef& row_weights,
+                     const TensorRef& out, Stream stream) {
+  const char* fn = "epx::combine_forward";
+  GroupState& g = group.state();
+  HandleState& h = handle.state();
+  check_handle(fn, g, h, true);
+  const int64_t T = h.num_tokens, H = g.config.hidden, cap = g.recv_capacity_rows;
+  check_tensor(fn, "y", y, {-1, H}, kPayloadTypes);
+  check_min_rows(fn, "y", y, cap);
+  check_payload_width(fn, "y", y, g.config);
+  if (row_weights.defined()) {
+    check_tensor(fn, "row_weights", row_weights, {-1}, {DType::kF32});
+    check_min_rows(fn, "row_weights", row_weights, cap);
+  }
+  check_tensor(fn, "out", out, {T, H}, {y.dtype()});
+  check_all_on(fn, g.device, {{"y", &y}, {"row_weights", &row_weights}, {"out", &out}});
+  g.combine_forward(h, y, row_weights, out, stream);
+}
+
+void combine_backward(Group& group, Handle& handle, const TensorRef& d_out, const TensorRef& y,
+                      const TensorRef& row_weights, const TensorRef& d_y, const TensorRef& d_row_weights,
+                      Stream stream) {
+  const char* fn = "epx::combine_backward";
+  GroupState& g = group.state();
+  HandleState& h = handle.state();
+  check_handle(fn, g, h, true);
+  const int64_t T = h.num_tokens, H = g.config.hidden, cap = g.recv_capacity_rows;
+  check_tensor(fn, "d_out", d_out, {T, H}, kPayloadTypes);
+  check_payload_width(fn, "d_out", d_out, g.config);
+  check_tensor(fn, "d_y", d_y, {-1, H}, {d_out.dtype()});
+  check_min_rows(fn, "d_y", d_y, cap);
+  if (row_weights.defined()) {
+    check_tensor(fn, "row_weights", row_weights, {-1}, {DType::kF32});
+    check_min_rows(fn, "row_weights", row_weights, cap);
+  }
+  if (d_row_weights.defined()) {
+    check_tensor(fn, "d_row_weights", d_row_weights, {-1}, {DType::kF32});
+    check_min_rows(fn, "d_row_weights", d_row_weights, cap);
+    check_tensor(fn, "y", y, {-1, H}, kPayloadTypes);
+    check_min_rows(fn, "y", y, cap);
+  }
+  check_all_on(fn, g.device,
+               {{"d_out", &d_out}, {"y", &y}, {"row_weights", &row_weights}, {"d_y", &d_y},
+                {"d_row_weights", &d_row_weights}});
+  g.combine_backward(h, d_out, y, row_weights, d_y, d_row_weights, stream);
+}
+
+void dispatch_backward(Group& group, Handle& handle, const TensorRef& d_recv_x, const TensorRef& d_recv_weights,
+                       const TensorRef& d_x, const TensorRef& d_topk_weights, Stream stream) {
+  const char* fn = "epx::dispatch_backward";
+  GroupState& g = group.state();
+  HandleState& h = handle.state();
+  check_handle(fn, g, h, true);
+  const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
+  check_tensor(fn, "d_recv_x", d_recv_x, {-1, H}, kPayloadTypes);
+  check_min_rows(fn, "d_recv_x", d_recv_x, cap);
+  check_payload_width(fn, "d_recv_x", d_recv_x, g.config);
+  check_tensor(fn, "d_x", d_x, {T, H}, {d_recv_x.dtype()});
+  if (d_recv_weights.defined() || d_topk_weights.defined()) {
+    check_tensor(fn, "d_recv_weights", d_recv_weights, {-1}, {DType::kF32});
+    check_min_rows(fn, "d_recv_weights", d_recv_weights, cap);
+    check_tensor(fn, "d_topk_weights", d_topk_weights, {T, K}, {DType::kF32});
+  }
+  check_all_on(fn, g.device,
+               {{"d_recv_x", &d_recv_x}, {"d_recv_weights", &d_recv_weights}, {"d_x", &d_x},
+                {"d_topk_weights", &d_topk_weights}});
+  g.dispatch_backward(h, d_recv_x, d_recv_weights, d_x, d_topk_weights, stream);
+}
+
+void all_reduce_sum(Group& group, const TensorRef& buffer, Stream stream) {
+  const char* fn = "epx::all_reduce_sum";
+  GroupState& g = group.state();
+  require(buffer.defined() && (buffer.dtype() == DType::kF32 || buffer.dtype() == DType::kF64), fn,
+          "buffer is ", buffer.defined() ? buffer.str() : std::string("missing"), ", expected an fp32 or fp64 tensor");
+  check_device(fn, "buffer", buffer, g.device);
+  g.all_reduce_sum(buffer, stream);
+}
+
+}  // namespace epx
