@@ -44,13 +44,18 @@ int cuda_device_count() {
 }
 
 void* device_alloc(size_t bytes, int device) {
-  DeviceGuard g(device);
-  void* p = nullptr;
   if (bytes == 0) return nullptr;
-  cudaError_t e = cudaMalloc(&p, bytes);
-  if (e != cudaSuccess)
-    throw Error(Status::kCudaError, detail::concat("epx: cudaMalloc of ", bytes, " bytes on cuda:", device,
-                                                   " failed: ", cudaGetErrorString(e)));
+  int previous = -1;
+  cudaGetDevice(&previous);
+  void* p = nullptr;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaMalloc(&p, bytes);
+  if (previous >= 0) cudaSetDevice(previous);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(Status::kCudaError, detail::concat("epx: cannot allocate ", bytes, " bytes on cuda:", device, ": ",
+                                                   cudaGetErrorString(e)));
+  }
   return p;
 }
 

@@ -34,18 +34,18 @@ class SimBarrier {
       return;
     }
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-    if (!cv_.wait_until(lk, deadline, [&] { return generation_ != gen || broken_; })) {
-      broken_ = true;
-      std::string missing;
-      for (size_t r = 0; r < arrived_at_.size(); ++r)
-        if (arrived_at_[r] != gen + 1) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      cv_.notify_all();
-      throw Error(Status::kTimeout, detail::concat(fn, ": rank ", rank, " waited ", timeout_s, " s for its peers; rank(s) ",
-                                                   missing, " never arrived (do all ranks make the same collective "
-                                                   "calls in the same order?)"));
-    }
-    if (broken_ && generation_ == gen)
-      throw Error(Status::kTimeout, detail::concat(fn, ": a peer timed out while rank ", rank, " was waiting"));
+    cv_.wait_until(lk, deadline, [&] { return generation_ != gen || broken_; });
+    if (generation_ != gen) return;
+    // Timed out here, or woken by a peer that timed out on the same barrier: either way name the
+    // ranks that never arrived, so every waiting rank reports the culprit.
+    broken_ = true;
+    cv_.notify_all();
+    std::string missing;
+    for (size_t r = 0; r < arrived_at_.size(); ++r)
+      if (arrived_at_[r] != gen + 1) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    throw Error(Status::kTimeout, detail::concat(fn, ": rank ", rank, " waited ", timeout_s, " s for its peers; rank(s) ",
+                                                 missing, " never arrived (do all ranks make the same collective "
+                                                 "calls in the same order?)"));
   }
 
  private:

@@ -1,0 +1,548 @@
+// The host EP backend (R ranks as threads) against the brute-force oracle: layouts, every byte of
+// dispatch, bit-exact combine (the documented fp32 order and roundings), both backwards, capacity
+// dropping, and every bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/ep_oracle.h"
+#include "core/ep_state.h"
+#include "epx/comm.h"
+#include "epx/error.h"
+#include "epx/layout.h"
+
+namespace epx {
+namespace {
+
+using testing::ExpertMajorLayout;
+using testing::RankRouting;
+
+enum class Pattern { kUniform, kSkewed, kOneHotExpert, kAllToRankZero, kRankOneEmpty, kMaskedHeavy };
+
+struct Scenario {
+  int ranks = 2;
+  int experts = 8;
+  int topk = 2;
+  int hidden = 24;
+  int align = 1;
+  int max_tokens = 16;
+  std::vector<int> tokens;  // per rank; empty = max_tokens everywhere
+  Pattern pattern = Pattern::kUniform;
+  DType payload = DType::kBF16;
+  DType idx_dtype = DType::kI32;
+  float capacity_factor = 0;
+  DropPolicy drop = DropPolicy::kByPosition;
+  uint32_t seed = 1;
+};
+
+std::string describe(const Scenario& s) {
+  return detail::concat("R=", s.ranks, " E=", s.experts, " K=", s.topk, " H=", s.hidden, " align=", s.align,
+                        " pattern=", static_cast<int>(s.pattern), " payload=", dtype_name(s.payload),
+                        " cf=", s.capacity_factor, " seed=", s.seed);
+}
+
+// Distinct experts per token drawn with the pattern's weights; some slots masked.
+std::vector<int64_t> make_ids(const Scenario& sc, int rank, int T, std::mt19937& rng) {
+  const int E = sc.experts, K = sc.topk, Le = E / sc.ranks;
+  std::vector<double> weight(E, 1.0);
+  switch (sc.pattern) {
+    case Pattern::kSkewed:
+      for (int e = 0; e < E; ++e) weight[e] = 1.0 / std::pow(e + 1.0, 1.5);
+      break;
+    case Pattern::kAllToRankZero:
+      for (int e = Le; e < E; ++e) weight[e] = 0;
+      break;
+    case Pattern::kRankOneEmpty:
+      if (sc.ranks > 1)
+        for (int e = Le; e < 2 * Le; ++e) weight[e] = 0;
+      break;
+    default: break;
+  }
+  std::vector<int64_t> ids(static_cast<size_t>(T) * K, -1);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int t = 0; t < T; ++t) {
+    if (sc.pattern == Pattern::kOneHotExpert) {
+      ids[t * K] = E - 1;  // every token of every rank to one expert, other slots masked
+      continue;
+    }
+    std::vector<double> wleft = weight;
+    for (int k = 0; k < K; ++k) {
+      const double mask_p = sc.pattern == Pattern::kMaskedHeavy ? 0.5 : 0.1;
+      if (u(rng) < mask_p) continue;
+      const double total = std::accumulate(wleft.begin(), wleft.end(), 0.0);
+      if (total <= 0) continue;
+      double pick = u(rng) * total;
+      int e = 0;
+      while (e < E - 1 && (pick -= wleft[e]) > 0) ++e;
+      while (wleft[e] == 0) e = (e + 1) % E;  // guard against rounding at the end
+      ids[t * K + k] = e;
+      wleft[e] = 0;
+    }
+  }
+  (void)rank;
+  return ids;
+}
+
+Tensor random_rows(int64_t rows, int64_t cols, DType dt, std::mt19937& rng) {
+  Tensor t = Tensor::empty({rows, cols}, dt);
+  std::normal_distribution<float> n(0, 1);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data(), dt, i, n(rng));
+  return t;
+}
+
+Tensor random_vec(int64_t n, std::mt19937& rng) {
+  Tensor t = Tensor::empty({n}, DType::kF32);
+  std::uniform_real_distribution<float> u(0.1f, 1.0f);
+  for (int64_t i = 0; i < n; ++i) t.ptr<float>()[i] = u(rng);
+  return t;
+}
+
+float f(const Tensor& t, int64_t i) { return static_cast<float>(load_as_double(t.data(), t.dtype(), i)); }
+
+bool same_bytes(const Tensor& a, int64_t row_a, const Tensor& b, int64_t row_b, int64_t H) {
+  const size_t rb = H * dtype_size(a.dtype());
+  return std::memcmp(static_cast<const char*>(a.data()) + row_a * rb, static_cast<const char*>(b.data()) + row_b * rb,
+                     rb) == 0;
+}
+
+struct RankIO {
+  int T = 0;
+  std::vector<int64_t> ids;
+  Tensor idx, w, x;                       // inputs
+  Tensor y, d_out, d_recv, d_recv_w;      // later-stage inputs
+  Tensor recv_x, recv_w, out, d_y, d_row_w, d_x, d_topk_w;  // outputs
+  std::vector<int32_t> routed, offsets;
+};
+
+void run_scenario(const Scenario& sc) {
+  SCOPED_TRACE(describe(sc));
+  const int R = sc.ranks, E = sc.experts, K = sc.topk, H = sc.hidden, Le = E / R;
+  GroupConfig cfg;
+  cfg.num_experts = E;
+  cfg.hidden = H;
+  cfg.max_tokens_per_rank = sc.max_tokens;
+  cfg.max_topk = std::max(K, 4);
+  cfg.max_dtype = DType::kF32;
+  cfg.align = sc.align;
+  cfg.timeout_s = 20;
+  std::vector<Group> groups = Group::create_simulated(R, cfg);
+  const int64_t cap = groups[0].recv_capacity_rows();
+
+  std::vector<RankIO> io(R);
+  for (int r = 0; r < R; ++r) {
+    std::mt19937 rng(sc.seed * 7919 + r);
+    RankIO& d = io[r];
+    d.T = sc.tokens.empty() ? sc.max_tokens : sc.tokens[r];
+    d.ids = make_ids(sc, r, d.T, rng);
+    d.idx = Tensor::empty({d.T, K}, sc.idx_dtype);
+    for (int64_t i = 0; i < d.T * K; ++i) store_from_double(d.idx.data(), sc.idx_dtype, i, static_cast<double>(d.ids[i]));
+    d.w = random_vec(static_cast<int64_t>(d.T) * K, rng);
+    d.x = random_rows(d.T, H, sc.payload, rng);
+    d.y = random_rows(cap, H, sc.payload, rng);
+    d.d_out = random_rows(d.T, H, sc.payload, rng);
+    d.d_recv = random_rows(cap, H, sc.payload, rng);
+    d.d_recv_w = random_vec(cap, rng);
+    d.recv_x = Tensor::full({cap, H}, sc.payload, 777.0);  // poison: every row in use must be written
+    d.recv_w = Tensor::full({cap}, DType::kF32, 777.0);
+    d.out = Tensor::full({d.T, H}, sc.payload, 777.0);
+    d.d_y = Tensor::full({cap, H}, sc.payload, 777.0);
+    d.d_row_w = Tensor::full({cap}, DType::kF32, 777.0);
+    d.d_x = Tensor::full({d.T, H}, sc.payload, 777.0);
+    d.d_topk_w = Tensor::full({d.T, K}, DType::kF32, 777.0);
+  }
+
+  run_ranks(groups, [&](Group& g) {
+    RankIO& d = io[g.rank()];
+    const TensorRef w2 = d.w.ref().view({d.T, K});
+    PrepareOptions opt;
+    opt.capacity_factor = sc.capacity_factor;
+    opt.drop_policy = sc.drop;
+    Handle h = prepare(g, d.idx, w2, opt);
+    dispatch_forward(g, h, d.x, w2, d.recv_x, d.recv_w);
+    combine_forward(g, h, d.y, d.recv_w, d.out);
+    combine_backward(g, h, d.d_out, d.y, d.recv_w, d.d_y, d.d_row_w);
+    dispatch_backward(g, h, d.d_recv, d.d_recv_w, d.d_x, d.d_topk_w);
+    const Tensor& routed = h.state().routed_experts;
+    d.routed.assign(routed.ptr<int32_t>(), routed.ptr<int32_t>() + routed.numel());
+    d.offsets = h.expert_offsets_host();
+  });
+
+  // 1. kept routing
+  std::vector<RankRouting> routing(R);
+  for (int r = 0; r < R; ++r) {
+    const int cap_e = sc.capacity_factor > 0 ? static_cast<int>(std::ceil(double(sc.capacity_factor) * io[r].T * K / E)) : 0;
+    std::vector<float> w(io[r].w.ptr<float>(), io[r].w.ptr<float>() + io[r].w.numel());
+    std::vector<int32_t> kept = testing::oracle_keep(io[r].ids, w, io[r].T, K, E, cap_e, sc.drop);
+    ASSERT_EQ(io[r].routed, kept) << "rank " << r << ": kept routing differs from the oracle";
+    routing[r] = RankRouting{io[r].T, K, kept};
+  }
+
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE(detail::concat("receiving rank ", r));
+    const ExpertMajorLayout L = testing::oracle_layout(routing, E, r, sc.align);
+    // 2. offsets
+    ASSERT_EQ(io[r].offsets.size(), L.offsets.size());
+    for (int j = 0; j <= Le; ++j) ASSERT_EQ(io[r].offsets[j], L.offsets[j]) << "expert_offsets[" << j << "]";
+    // 3. dispatch: every row in use holds its token, padding rows are zero, weights travel exactly
+    for (int64_t row = 0; row < L.offsets[Le]; ++row) {
+      const int s = L.src_rank[row], t = L.src_token[row], k = L.src_slot[row];
+      if (s < 0) {
+        for (int i = 0; i < H; ++i) ASSERT_EQ(f(io[r].recv_x, row * H + i), 0.0f) << "padding row " << row;
+        ASSERT_EQ(io[r].recv_w.ptr<float>()[row], 0.0f) << "padding weight " << row;
+        ASSERT_EQ(f(io[r].d_y, row * H), 0.0f) << "d_y padding row " << row;
+        ASSERT_EQ(io[r].d_row_w.ptr<float>()[row], 0.0f) << "d_row_weights padding row " << row;
+        continue;
+      }
+      ASSERT_TRUE(same_bytes(io[r].recv_x, row, io[s].x, t, H)) << "row " << row << " should hold rank " << s
+                                                                   << " token " << t;
+      ASSERT_EQ(io[r].recv_w.ptr<float>()[row], io[s].w.ptr<float>()[t * K + k]) << "row weight " << row;
+      // combine_backward of this row, by definition
+      const float wr = io[s].w.ptr<float>()[t * K + k];
+      float dot = 0;
+      for (int i = 0; i < H; ++i) {
+        const float g = f(io[s].d_out, int64_t(t) * H + i);
+        const float expect = static_cast<float>(round_to_dtype(wr * g, sc.payload));
+        ASSERT_EQ(f(io[r].d_y, row * H + i), expect) << "d_y row " << row << " col " << i;
+        dot = std::fma(g, f(io[r].y, row * H + i), dot);
+      }
+      ASSERT_EQ(io[r].d_row_w.ptr<float>()[row], dot) << "d_row_weights row " << row;
+    }
+  }
+
+  // 4. combine and dispatch_backward at every source, in the documented order of roundings
+  std::vector<ExpertMajorLayout> layouts;
+  for (int r = 0; r < R; ++r) layouts.push_back(testing::oracle_layout(routing, E, r, sc.align));
+  for (int s = 0; s < R; ++s)
+    for (int t = 0; t < io[s].T; ++t) {
+      for (int i = 0; i < H; ++i) {
+        float out = 0, dx = 0;
+        for (int r = 0; r < R; ++r) {
+          float part = 0, dpart = 0;
+          bool any = false;
+          for (int k = 0; k < K; ++k) {
+            const int e = routing[s].routed[t * K + k];
+            if (e < 0 || e / Le != r) continue;
+            const int64_t row = testing::oracle_row(layouts[r], s, t, k);
+            part = std::fma(io[s].w.ptr<float>()[t * K + k], f(io[r].y, row * H + i), part);
+            dpart += f(io[r].d_recv, row * H + i);
+            any = true;
+          }
+          if (!any) continue;
+          out += static_cast<float>(round_to_dtype(part, sc.payload));
+          dx += static_cast<float>(round_to_dtype(dpart, sc.payload));
+        }
+        ASSERT_EQ(f(io[s].out, int64_t(t) * H + i), static_cast<float>(round_to_dtype(out, sc.payload)))
+            << "combine out rank " << s << " token " << t << " col " << i;
+        ASSERT_EQ(f(io[s].d_x, int64_t(t) * H + i), static_cast<float>(round_to_dtype(dx, sc.payload)))
+            << "dispatch_backward d_x rank " << s << " token " << t << " col " << i;
+      }
+      for (int k = 0; k < K; ++k) {
+        const int e = routing[s].routed[t * K + k];
+        const float expect = e < 0 ? 0.0f : io[e / Le].d_recv_w.ptr<float>()[testing::oracle_row(layouts[e / Le], s, t, k)];
+        ASSERT_EQ(io[s].d_topk_w.ptr<float>()[t * K + k], expect) << "d_topk_weights rank " << s << " [" << t << ", " << k << "]";
+      }
+    }
+}
+
+TEST(EpHost, UniformAcrossGroupSizes) {
+  for (int R : {1, 2, 3, 4, 8}) {
+    Scenario sc;
+    sc.ranks = R;
+    sc.experts = 2 * R * 2;
+    sc.topk = 3;
+    sc.seed = 10 + R;
+    run_scenario(sc);
+  }
+}
+
+TEST(EpHost, AdversarialRouting) {
+  for (Pattern p : {Pattern::kSkewed, Pattern::kOneHotExpert, Pattern::kAllToRankZero, Pattern::kRankOneEmpty,
+                    Pattern::kMaskedHeavy}) {
+    Scenario sc;
+    sc.ranks = 4;
+    sc.experts = 16;
+    sc.topk = 4;
+    sc.pattern = p;
+    sc.seed = 100 + static_cast<int>(p);
+    run_scenario(sc);
+  }
+}
+
+TEST(EpHost, AlignmentPadsWithZeroRows) {
+  for (int align : {1, 16, 32, 128}) {
+    Scenario sc;
+    sc.ranks = 2;
+    sc.experts = 6;
+    sc.align = align;
+    sc.seed = 200 + align;
+    run_scenario(sc);
+  }
+}
+
+TEST(EpHost, PayloadAndIdDtypes) {
+  for (DType p : {DType::kBF16, DType::kF16, DType::kF32})
+    for (DType i : {DType::kI32, DType::kI64}) {
+      Scenario sc;
+      sc.payload = p;
+      sc.idx_dtype = i;
+      sc.ranks = 3;
+      sc.experts = 9;
+      sc.seed = 300 + static_cast<int>(p) * 3 + static_cast<int>(i);
+      run_scenario(sc);
+    }
+}
+
+TEST(EpHost, ZeroTokensOnSomeRanksAndMaxTokens) {
+  Scenario sc;
+  sc.ranks = 4;
+  sc.experts = 8;
+  sc.max_tokens = 12;
+  sc.tokens = {0, 12, 5, 0};
+  run_scenario(sc);
+  sc.tokens = {0, 0, 0, 0};
+  run_scenario(sc);
+}
+
+TEST(EpHost, CapacityDropping) {
+  for (DropPolicy pol : {DropPolicy::kByPosition, DropPolicy::kByProbability})
+    for (float cf : {0.5f, 1.0f, 1.25f}) {
+      Scenario sc;
+      sc.ranks = 2;
+      sc.experts = 8;
+      sc.topk = 2;
+      sc.pattern = Pattern::kSkewed;
+      sc.capacity_factor = cf;
+      sc.drop = pol;
+      sc.seed = 400 + static_cast<int>(cf * 8);
+      run_scenario(sc);
+    }
+}
+
+TEST(EpHost, RoundTripGivesTokenTimesWeightSum) {
+  // dispatch -> identity expert -> weighted combine == x * (sum of kept weights), up to fp32 rounding.
+  const int R = 4, E = 8, K = 3, H = 16, T = 10;
+  GroupConfig cfg;
+  cfg.num_experts = E;
+  cfg.hidden = H;
+  cfg.max_tokens_per_rank = T;
+  cfg.max_dtype = DType::kF32;
+  cfg.align = 16;
+  std::vector<Group> groups = Group::create_simulated(R, cfg);
+  std::atomic<int> checked{0};
+  run_ranks(groups, [&](Group& g) {
+    std::mt19937 rng(g.rank() + 5);
+    Scenario sc;
+    sc.ranks = R;
+    sc.experts = E;
+    sc.topk = K;
+    std::vector<int64_t> ids = make_ids(sc, g.rank(), T, rng);
+    Tensor idx = Tensor::empty({T, K}, DType::kI64);
+    std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+    Tensor w = random_vec(T * K, rng), x = random_rows(T, H, DType::kF32, rng);
+    const int64_t cap = g.recv_capacity_rows();
+    Tensor recv = Tensor::zeros({cap, H}, DType::kF32), rw = Tensor::zeros({cap}, DType::kF32);
+    Tensor out = Tensor::zeros({T, H}, DType::kF32);
+    Handle h = prepare(g, idx, w.ref().view({T, K}));
+    dispatch_forward(g, h, x, w.ref().view({T, K}), recv, rw);
+    combine_forward(g, h, recv, rw, out);
+    for (int t = 0; t < T; ++t) {
+      double wsum = 0;
+      for (int k = 0; k < K; ++k) wsum += ids[t * K + k] >= 0 ? w.ptr<float>()[t * K + k] : 0.0;
+      for (int i = 0; i < H; ++i) {
+        const double expect = wsum * x.ptr<float>()[t * H + i];
+        EXPECT_NEAR(out.ptr<float>()[t * H + i], expect, 1e-5 * (1 + std::fabs(expect)));
+        ++checked;
+      }
+    }
+  });
+  EXPECT_EQ(checked.load(), R * T * H);
+}
+
+// ---- bad input ---------------------------------------------------------------------------------
+
+GroupConfig small_config() {
+  GroupConfig cfg;
+  cfg.num_experts = 4;
+  cfg.hidden = 8;
+  cfg.max_tokens_per_rank = 6;
+  cfg.max_topk = 2;
+  cfg.timeout_s = 5;
+  return cfg;
+}
+
+template <class Fn>
+std::string error_of(Fn&& fn, Status expected_status = Status::kInvalidArgument) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), expected_status) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an epx::Error";
+  return "";
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+TEST(EpHostErrors, GroupConfig) {
+  GroupConfig c = small_config();
+  c.num_experts = 5;
+  EXPECT_TRUE(has(error_of([&] { Group::create_simulated(2, c); }), "num_experts is 5, expected a multiple of the group size 2"));
+  c = small_config();
+  c.align = 24;
+  EXPECT_TRUE(has(error_of([&] { Group::create_simulated(1, c); }), "config.align is 24"));
+  c = small_config();
+  c.max_dtype = DType::kI32;
+  EXPECT_TRUE(has(error_of([&] { Group::create_simulated(1, c); }), "config.max_dtype is int32"));
+}
+
+TEST(EpHostErrors, IdsOutOfRangeAndRepeated) {
+  auto groups = Group::create_simulated(1, small_config());
+  Tensor idx = Tensor::zeros({2, 2}, DType::kI32);
+  idx.ptr<int32_t>()[0] = 1;
+  idx.ptr<int32_t>()[1] = 4;  // E = 4
+  EXPECT_TRUE(has(error_of([&] { prepare(groups[0], idx, {}); }),
+                  "epx::prepare: topk_idx[0, 1] is 4, expected -1 (masked) or an expert id in [0, 4)"));
+  idx.ptr<int32_t>()[1] = -2;
+  EXPECT_TRUE(has(error_of([&] { prepare(groups[0], idx, {}); }), "topk_idx[0, 1] is -2"));
+  idx.ptr<int32_t>()[1] = 1;
+  EXPECT_TRUE(has(error_of([&] { prepare(groups[0], idx, {}); }), "topk_idx row 0 names expert 1 twice"));
+}
+
+TEST(EpHostErrors, BadIdsOnOneRankDoNotHangTheOthers) {
+  auto groups = Group::create_simulated(2, small_config());
+  std::atomic<int> ok{0};
+  std::string msg = error_of([&] {
+    run_ranks(groups, [&](Group& g) {
+      Tensor idx = Tensor::zeros({2, 2}, DType::kI32);
+      idx.ptr<int32_t>()[1] = g.rank() == 1 ? 9 : 1;
+      idx.ptr<int32_t>()[3] = 1;
+      Handle h = prepare(g, idx, {});
+      ++ok;
+    });
+  });
+  EXPECT_TRUE(has(msg, "rank 1: epx::prepare: topk_idx[0, 1] is 9")) << msg;
+  EXPECT_EQ(ok.load(), 1) << "rank 0 must complete its prepare";
+}
+
+TEST(EpHostErrors, ShapeMismatches) {
+  auto groups = Group::create_simulated(1, small_config());
+  Group& g = groups[0];
+  Tensor idx = Tensor::zeros({4, 2}, DType::kI32);
+  idx.ptr<int32_t>()[1] = 1;
+  idx.ptr<int32_t>()[3] = 1;
+  idx.ptr<int32_t>()[5] = 1;
+  idx.ptr<int32_t>()[7] = 1;
+  Tensor w_bad = Tensor::zeros({3, 2}, DType::kF32);
+  EXPECT_TRUE(has(error_of([&] { prepare(g, idx, w_bad); }), "topk_weights has shape [3, 2], expected [4, 2]"));
+  Tensor idx_f = Tensor::zeros({4, 2}, DType::kF32);
+  EXPECT_TRUE(has(error_of([&] { prepare(g, idx_f, {}); }), "topk_idx has dtype fp32, expected int32 or int64"));
+  Tensor idx_big = Tensor::zeros({7, 2}, DType::kI32);
+  EXPECT_TRUE(has(error_of([&] { prepare(g, idx_big, {}); }, Status::kCapacityExceeded),
+                  "topk_idx has 7 rows (tokens), the group was sized for max_tokens_per_rank = 6"));
+  Tensor idx_k = Tensor::zeros({4, 3}, DType::kI32);
+  EXPECT_TRUE(has(error_of([&] { prepare(g, idx_k, {}); }), "topk_idx has 3 columns (top-k), expected 1..2"));
+  PrepareOptions byprob;
+  byprob.capacity_factor = 1;
+  byprob.drop_policy = DropPolicy::kByProbability;
+  EXPECT_TRUE(has(error_of([&] { prepare(g, idx, {}, byprob); }), "topk_weights is missing"));
+
+  Handle h = prepare(g, idx, {});
+  const int64_t cap = g.recv_capacity_rows();
+  Tensor x_rows = Tensor::zeros({5, 8}, DType::kBF16), recv = Tensor::zeros({cap, 8}, DType::kBF16);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(g, h, x_rows, {}, recv, {}); }), "x has shape [5, 8], expected [4, 8]"));
+  Tensor x = Tensor::zeros({4, 8}, DType::kBF16), w = Tensor::zeros({4, 2}, DType::kF32);
+  Tensor w_rows = Tensor::zeros({5, 2}, DType::kF32);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(g, h, x, w_rows, recv, {}); }),
+                  "topk_weights has shape [5, 2], expected [4, 2]"));
+  Tensor recv_small = Tensor::zeros({cap - 1, 8}, DType::kBF16);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(g, h, x, w, recv_small, {}); }),
+                  "recv_x has " + std::to_string(cap - 1) + " rows, expected at least " + std::to_string(cap)));
+  Tensor x32 = Tensor::zeros({4, 8}, DType::kF32), recv32 = Tensor::zeros({cap, 8}, DType::kF32);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(g, h, x32, w, recv32, {}); }),
+                  "x has dtype fp32 (4 bytes), wider than the group's max_dtype bf16 (2 bytes)"));
+  Tensor out = Tensor::zeros({4, 8}, DType::kBF16);
+  EXPECT_TRUE(has(error_of([&] { combine_forward(g, h, recv, {}, out); }), "has not been dispatched yet"));
+}
+
+TEST(EpHostErrors, HandleIsSingleUseAndBoundToItsGroup) {
+  auto a = Group::create_simulated(1, small_config());
+  auto b = Group::create_simulated(1, small_config());
+  Tensor idx = Tensor::zeros({2, 1}, DType::kI32);
+  Handle h = prepare(a[0], idx, {});
+  const int64_t cap = a[0].recv_capacity_rows();
+  Tensor x = Tensor::zeros({2, 8}, DType::kBF16), recv = Tensor::zeros({cap, 8}, DType::kBF16);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(b[0], h, x, {}, recv, {}); }), "prepared on another group"));
+  dispatch_forward(a[0], h, x, {}, recv, {});
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(a[0], h, x, {}, recv, {}); }), "already dispatched"));
+  Handle empty;
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(a[0], empty, x, {}, recv, {}); }), "used before prepare()"));
+}
+
+TEST(EpHostErrors, RecvCapacityOverflowIsReportedAndNothingWritten) {
+  GroupConfig c = small_config();
+  c.recv_capacity_rows = 5;
+  auto groups = Group::create_simulated(2, c);
+  std::vector<std::string> msgs(2);
+  std::vector<Tensor> recv(2);
+  try {
+    run_ranks(groups, [&](Group& g) {
+      Tensor idx = Tensor::zeros({6, 2}, DType::kI32);
+      for (int t = 0; t < 6; ++t) idx.ptr<int32_t>()[t * 2 + 1] = 1;  // every token to experts 0 and 1 (rank 0)
+      Handle h = prepare(g, idx, {});
+      Tensor x = Tensor::full({6, 8}, DType::kBF16, 1.0);
+      recv[g.rank()] = Tensor::full({5, 8}, DType::kBF16, 3.0);
+      dispatch_forward(g, h, x, {}, recv[g.rank()], {});
+    });
+    FAIL() << "expected an overflow error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kCapacityExceeded);
+    EXPECT_TRUE(has(e.what(), "rank 0: epx::dispatch_forward: rank 0 would receive 24 expert-major rows, more than "
+                              "the group's recv capacity of 5")) << e.what();
+  }
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(load_as_double(recv[0].data(), DType::kBF16, i), 3.0) << "overflowing rank wrote";
+}
+
+TEST(EpHostErrors, MissingPeerTimesOutNamingIt) {
+  GroupConfig c = small_config();
+  c.timeout_s = 0.2;
+  c.num_experts = 6;
+  auto groups = Group::create_simulated(3, c);
+  try {
+    run_ranks(groups, [&](Group& g) {
+      if (g.rank() == 2) return;  // never joins the collective
+      Tensor idx = Tensor::zeros({1, 1}, DType::kI32);
+      prepare(g, idx, {});
+    });
+    FAIL() << "expected a timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kTimeout);
+    EXPECT_TRUE(has(e.what(), "never arrived")) << e.what();
+    EXPECT_TRUE(has(e.what(), "rank(s) 2 never arrived")) << e.what();
+  }
+}
+
+TEST(EpHost, AllReduceSumsInRankOrder) {
+  GroupConfig c = small_config();
+  c.num_experts = 6;
+  auto groups = Group::create_simulated(3, c);
+  std::vector<Tensor> bufs(3);
+  const int64_t n = 20000;  // more than one reduce chunk
+  run_ranks(groups, [&](Group& g) {
+    bufs[g.rank()] = Tensor::empty({n}, DType::kF32);
+    for (int64_t i = 0; i < n; ++i) bufs[g.rank()].ptr<float>()[i] = static_cast<float>(i % 97) + g.rank() * 0.5f;
+    all_reduce_sum(g, bufs[g.rank()]);
+  });
+  for (int r = 0; r < 3; ++r)
+    for (int64_t i = 0; i < n; i += 997) EXPECT_EQ(bufs[r].ptr<float>()[i], 3.0f * (i % 97) + 1.5f);
+}
+
+}  // namespace
+}  // namespace epx
