@@ -1,7 +1,9 @@
 // Exact conversions. Every narrow format is encoded by one routine: the magnitude is split into a
-// power-of-two quantum for its binade (or the subnormal quantum) and rounded with nearbyint, which
-// is round-half-to-even in the default rounding mode; the carry from rounding up to the next binade
-// falls out of the integer code. Overflow and NaN policies differ per format and are applied after.
+// power-of-two quantum for its binade (or the subnormal quantum) and rounded half to even; the carry
+// from rounding up to the next binade falls out of the integer code. Overflow and NaN policies
+// differ per format and are applied after. The rounding is done by hand rather than with
+// nearbyint/rint, which follow the caller's fenv rounding mode: the hardware cvt.rn instructions
+// ignore that mode, so the oracle must too.
 #include "epx/dtype.h"
 
 #include <cmath>
@@ -62,6 +64,15 @@ float bits_float(uint32_t u) {
   return x;
 }
 
+// v >= 0 and small (< 2^53) to the nearest integer, ties to even, whatever fesetround() says.
+// floor and the subtraction are exact for such v, so no step depends on the rounding mode.
+double round_half_even(double v) {
+  double f = std::floor(v);
+  double r = v - f;
+  if (r > 0.5 || (r == 0.5 && std::fmod(f, 2.0) != 0)) f += 1;
+  return f;
+}
+
 // Code (exponent field << M | mantissa) of the finite magnitude a >= 0 in a format with M mantissa
 // bits and exponent bias B, rounded to nearest even; may exceed the format's largest code.
 uint32_t encode_magnitude(double a, int M, int B) {
@@ -70,10 +81,10 @@ uint32_t encode_magnitude(double a, int M, int B) {
   std::frexp(a, &e2);
   int unbiased = e2 - 1;  // a in [2^unbiased, 2^(unbiased+1))
   if (unbiased < 1 - B) {  // subnormal binade: quantum 2^(1-B-M); code == 2^M is the smallest normal
-    double q = std::nearbyint(std::ldexp(a, M + B - 1));
+    double q = round_half_even(std::ldexp(a, M + B - 1));
     return static_cast<uint32_t>(q);
   }
-  double q = std::nearbyint(std::ldexp(a, M - unbiased));  // in [2^M, 2^(M+1)]
+  double q = round_half_even(std::ldexp(a, M - unbiased));  // in [2^M, 2^(M+1)]
   return (static_cast<uint32_t>(unbiased + B) << M) + static_cast<uint32_t>(q) - (1u << M);
 }
 

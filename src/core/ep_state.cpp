@@ -34,8 +34,9 @@ void GroupConfig::validate(const char* fn, int num_ranks) const {
   require(align >= 1 && align <= 1024 && (align & (align - 1)) == 0, fn, "config.align is ", align,
           ", expected a power of two in [1, 1024] (1, 16, 32 and 128 are the usual ones)");
   require(max_dtype == DType::kBF16 || max_dtype == DType::kF16 || max_dtype == DType::kF32 ||
-              max_dtype == DType::kF8E4M3 || max_dtype == DType::kF8E5M2,
-          fn, "config.max_dtype is ", dtype_name(max_dtype), ", expected a payload dtype (fp32, bf16, fp16, fp8)");
+              max_dtype == DType::kF64 || max_dtype == DType::kF8E4M3 || max_dtype == DType::kF8E5M2,
+          fn, "config.max_dtype is ", dtype_name(max_dtype),
+          ", expected a payload dtype (fp32, bf16, fp16, fp8; fp64 on the reference backend)");
   require(recv_capacity_rows >= 0, fn, "config.recv_capacity_rows is ", recv_capacity_rows, ", expected >= 0");
   require(num_sms >= 0, fn, "config.num_sms is ", num_sms, ", expected >= 0 (0 = auto)");
   require(timeout_s >= 0, fn, "config.timeout_s is ", timeout_s, ", expected >= 0 (0 = default)");

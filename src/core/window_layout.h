@@ -19,7 +19,8 @@ namespace epx {
 struct RowMeta {
   int32_t local_expert;  // -1: this slot's expert lives on another rank (or the slot is masked)
   int32_t position;      // index among the source's pairs to that expert (its order in the segment)
-  float weight;          // topk weight (dispatch) or its gradient (dispatch_backward)
+  double weight;         // topk weight (dispatch) or its gradient (dispatch_backward); fp32 values
+                         // travel exactly, fp64 ones (reference gradient checks) too
 };
 
 struct WindowLayout {

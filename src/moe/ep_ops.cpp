@@ -17,8 +17,12 @@ using detail::check_tensor;
 
 namespace {
 
-constexpr std::initializer_list<DType> kPayloadTypes = {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3,
-                                                        DType::kF8E5M2};
+constexpr std::initializer_list<DType> kPayloadTypes = {DType::kBF16, DType::kF16, DType::kF32, DType::kF64,
+                                                        DType::kF8E4M3, DType::kF8E5M2};
+
+// Weights (and their gradients) are fp32; an fp64 payload (reference gradient checks) carries fp64
+// weights so that finite differences are not limited by fp32 rounding.
+DType weight_dtype(DType payload) { return payload == DType::kF64 ? DType::kF64 : DType::kF32; }
 
 void check_payload_width(const char* fn, const char* name, const TensorRef& t, const GroupConfig& c) {
   require(dtype_size(t.dtype()) <= dtype_size(c.max_dtype), fn, name, " has dtype ", dtype_name(t.dtype()), " (",
@@ -55,7 +59,7 @@ Handle prepare(Group& group, const TensorRef& topk_idx, const TensorRef& topk_we
           options.capacity_factor, ", expected >= 0 (0 = dropless)");
   const bool need_weights = options.capacity_factor > 0 && options.drop_policy == DropPolicy::kByProbability;
   if (need_weights || topk_weights.defined())
-    check_tensor(fn, "topk_weights", topk_weights, {T, K}, {DType::kF32});
+    check_tensor(fn, "topk_weights", topk_weights, {T, K}, {DType::kF32, DType::kF64});
   check_all_on(fn, g.device, {{"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}});
 
   auto s = std::make_unique<HandleState>();
@@ -84,12 +88,13 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
   const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
   check_tensor(fn, "x", x, {T, H}, kPayloadTypes);
   check_payload_width(fn, "x", x, g.config);
-  if (topk_weights.defined()) check_tensor(fn, "topk_weights", topk_weights, {T, K}, {DType::kF32});
+  const DType wt = weight_dtype(x.dtype());
+  if (topk_weights.defined()) check_tensor(fn, "topk_weights", topk_weights, {T, K}, {wt});
   check_tensor(fn, "recv_x", recv_x, {-1, H}, {x.dtype()});
   check_min_rows(fn, "recv_x", recv_x, cap);
   if (recv_weights.defined()) {
     require(topk_weights.defined(), fn, "recv_weights is given but topk_weights is missing");
-    check_tensor(fn, "recv_weights", recv_weights, {-1}, {DType::kF32});
+    check_tensor(fn, "recv_weights", recv_weights, {-1}, {wt});
     check_min_rows(fn, "recv_weights", recv_weights, cap);
   }
   check_all_on(fn, g.device,
@@ -109,7 +114,7 @@ void combine_forward(Group& group, Handle& handle, const TensorRef& y, const Ten
   check_min_rows(fn, "y", y, cap);
   check_payload_width(fn, "y", y, g.config);
   if (row_weights.defined()) {
-    check_tensor(fn, "row_weights", row_weights, {-1}, {DType::kF32});
+    check_tensor(fn, "row_weights", row_weights, {-1}, {weight_dtype(y.dtype())});
     check_min_rows(fn, "row_weights", row_weights, cap);
   }
   check_tensor(fn, "out", out, {T, H}, {y.dtype()});
@@ -129,12 +134,13 @@ void combine_backward(Group& group, Handle& handle, const TensorRef& d_out, cons
   check_payload_width(fn, "d_out", d_out, g.config);
   check_tensor(fn, "d_y", d_y, {-1, H}, {d_out.dtype()});
   check_min_rows(fn, "d_y", d_y, cap);
+  const DType wt = weight_dtype(d_out.dtype());
   if (row_weights.defined()) {
-    check_tensor(fn, "row_weights", row_weights, {-1}, {DType::kF32});
+    check_tensor(fn, "row_weights", row_weights, {-1}, {wt});
     check_min_rows(fn, "row_weights", row_weights, cap);
   }
   if (d_row_weights.defined()) {
-    check_tensor(fn, "d_row_weights", d_row_weights, {-1}, {DType::kF32});
+    check_tensor(fn, "d_row_weights", d_row_weights, {-1}, {wt});
     check_min_rows(fn, "d_row_weights", d_row_weights, cap);
     check_tensor(fn, "y", y, {-1, H}, kPayloadTypes);
     check_min_rows(fn, "y", y, cap);
@@ -157,9 +163,10 @@ void dispatch_backward(Group& group, Handle& handle, const TensorRef& d_recv_x, 
   check_payload_width(fn, "d_recv_x", d_recv_x, g.config);
   check_tensor(fn, "d_x", d_x, {T, H}, {d_recv_x.dtype()});
   if (d_recv_weights.defined() || d_topk_weights.defined()) {
-    check_tensor(fn, "d_recv_weights", d_recv_weights, {-1}, {DType::kF32});
+    const DType wt = weight_dtype(d_recv_x.dtype());
+    check_tensor(fn, "d_recv_weights", d_recv_weights, {-1}, {wt});
     check_min_rows(fn, "d_recv_weights", d_recv_weights, cap);
-    check_tensor(fn, "d_topk_weights", d_topk_weights, {T, K}, {DType::kF32});
+    check_tensor(fn, "d_topk_weights", d_topk_weights, {T, K}, {wt});
   }
   check_all_on(fn, g.device,
                {{"d_recv_x", &d_recv_x}, {"d_recv_weights", &d_recv_weights}, {"d_x", &d_x},

@@ -76,8 +76,10 @@ std::vector<int32_t> kept_routing(const TensorRef& idx, const TensorRef& weights
   std::vector<std::vector<int64_t>> pairs(E);
   for (int64_t p = 0; p < T * K; ++p)
     if (routed[p] >= 0) pairs[routed[p]].push_back(p);
-  const float* w = weights.ptr<float>();
-  auto key = [&](int64_t p) { return std::isnan(w[p]) ? -INFINITY : w[p]; };
+  auto key = [&](int64_t p) {
+    const double w = load_as_double(weights.data(), weights.dtype(), p);
+    return std::isnan(w) ? -INFINITY : w;
+  };
   for (int e = 0; e < E; ++e) {
     auto& v = pairs[e];
     if (static_cast<int>(v.size()) <= capacity) continue;
@@ -180,7 +182,6 @@ class HostGroup final : public GroupState {
     const int32_t* routed = h.routed_experts.ptr<int32_t>();
     const int32_t* pos = h.pair_pos.ptr<int32_t>();
     const int32_t* slot = h.token_slot.ptr<int32_t>();
-    const float* w = topk_weights.defined() ? topk_weights.ptr<float>() : nullptr;
 
     world_->barrier.arrive_and_wait(rank, fn, timeout_s_);
     for (int t = 0; t < T; ++t)
@@ -193,7 +194,8 @@ class HostGroup final : public GroupState {
         for (int k = 0; k < K; ++k) {
           const int e = routed[t * K + k];
           const bool here = e >= 0 && e / Le == d;
-          meta[k] = RowMeta{here ? e % Le : -1, here ? pos[t * K + k] : 0, here && w ? w[t * K + k] : 0.0f};
+          const double w = here && topk_weights.defined() ? load_as_double(topk_weights.data(), topk_weights.dtype(), t * K + k) : 0.0;
+          meta[k] = RowMeta{here ? e % Le : -1, here ? pos[t * K + k] : 0, w};
         }
       }
     world_->barrier.arrive_and_wait(rank, fn, timeout_s_);
@@ -203,13 +205,7 @@ class HostGroup final : public GroupState {
                    recv_capacity_rows + overflow, " expert-major rows, more than the group's recv capacity of ",
                    recv_capacity_rows, " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
                    "nothing was written");
-    const int32_t* off = h.expert_offsets.ptr<int32_t>();
-    const int32_t* rows = h.expert_rows.ptr<int32_t>();
-    for (int j = 0; j < Le; ++j) {
-      char* pad = static_cast<char*>(recv_x.data()) + (off[j] + rows[j]) * row_bytes;
-      std::memset(pad, 0, (off[j + 1] - off[j] - rows[j]) * row_bytes);
-      if (recv_weights.defined()) std::fill(recv_weights.ptr<float>() + off[j] + rows[j], recv_weights.ptr<float>() + off[j + 1], 0.0f);
-    }
+    zero_padding(h, recv_x, recv_weights);
     std::vector<int64_t> seg = source_segment_starts(h);
     int32_t* recv_row = h.recv_row.ptr<int32_t>();
     const char* win = world_->window(rank);
@@ -220,7 +216,7 @@ class HostGroup final : public GroupState {
           if (meta[k].local_expert < 0) continue;
           const int64_t row = seg[meta[k].local_expert * R + s] + meta[k].position;
           std::memcpy(static_cast<char*>(recv_x.data()) + row * row_bytes, win + L.row_offset(s, sl), row_bytes);
-          if (recv_weights.defined()) recv_weights.ptr<float>()[row] = meta[k].weight;
+          if (recv_weights.defined()) store_from_double(recv_weights.data(), recv_weights.dtype(), row, meta[k].weight);
           recv_row[(static_cast<int64_t>(s) * h.max_tokens + sl) * K + k] = static_cast<int32_t>(row);
         }
       }
@@ -229,55 +225,35 @@ class HostGroup final : public GroupState {
   void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights, const TensorRef& out,
                        Stream) override {
     const char* fn = "epx::combine_forward";
-    const float* w = row_weights.defined() ? row_weights.ptr<float>() : nullptr;
-    reduce_to_sources(h, fn, y, w, nullptr);
-    sum_partials(h, fn, out);
+    if (y.dtype() == DType::kF64) {
+      reduce_to_sources<double>(h, fn, y, row_weights, {});
+      sum_partials<double>(h, out);
+    } else {
+      reduce_to_sources<float>(h, fn, y, row_weights, {});
+      sum_partials<float>(h, out);
+    }
   }
 
   void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y, const TensorRef& row_weights,
                         const TensorRef& d_y, const TensorRef& d_row_weights, Stream) override {
-    const char* fn = "epx::combine_backward";
-    const int K = h.topk, R = size, H = static_cast<int>(config.hidden);
-    const WindowLayout& L = world_->layout;
-    const DType dt = d_out.dtype();
-    const size_t row_bytes = static_cast<size_t>(H) * dtype_size(dt);
-    send_token_rows(h, fn, d_out);
-
+    send_token_rows(h, "epx::combine_backward", d_out);
     zero_padding(h, d_y, d_row_weights);
-    const int32_t* recv_row = h.recv_row.ptr<int32_t>();
-    const char* win = world_->window(rank);
-    std::vector<float> g(H), yv(H);
-    for (int s = 0; s < R; ++s)
-      for (int sl = 0; sl < h.recv_tokens.ptr<int32_t>()[s]; ++sl) {
-        load_row(win + L.row_offset(s, sl), dt, 0, H, g.data());
-        for (int k = 0; k < K; ++k) {
-          const int32_t row = recv_row[(static_cast<int64_t>(s) * h.max_tokens + sl) * K + k];
-          if (row < 0) continue;
-          const float wr = row_weights.defined() ? row_weights.ptr<float>()[row] : 1.0f;
-          char* dst = static_cast<char*>(d_y.data()) + row * row_bytes;
-          if (row_weights.defined()) {
-            std::vector<float> scaled(H);
-            for (int i = 0; i < H; ++i) scaled[i] = wr * g[i];
-            store_row(dst, dt, 0, H, scaled.data());
-          } else {
-            std::memcpy(dst, win + L.row_offset(s, sl), row_bytes);
-          }
-          if (d_row_weights.defined()) {
-            load_row(y.data(), y.dtype(), static_cast<int64_t>(row) * H, H, yv.data());
-            float acc = 0;
-            for (int i = 0; i < H; ++i) acc = std::fma(g[i], yv[i], acc);
-            d_row_weights.ptr<float>()[row] = acc;
-          }
-        }
-      }
+    if (d_out.dtype() == DType::kF64)
+      expand_gradients<double>(h, d_out.dtype(), y, row_weights, d_y, d_row_weights);
+    else
+      expand_gradients<float>(h, d_out.dtype(), y, row_weights, d_y, d_row_weights);
   }
 
   void dispatch_backward(HandleState& h, const TensorRef& d_recv_x, const TensorRef& d_recv_weights,
                          const TensorRef& d_x, const TensorRef& d_topk_weights, Stream) override {
     const char* fn = "epx::dispatch_backward";
-    const float* dw = d_recv_weights.defined() ? d_recv_weights.ptr<float>() : nullptr;
-    reduce_to_sources(h, fn, d_recv_x, nullptr, dw);
-    sum_partials(h, fn, d_x);
+    if (d_recv_x.dtype() == DType::kF64) {
+      reduce_to_sources<double>(h, fn, d_recv_x, {}, d_recv_weights);
+      sum_partials<double>(h, d_x);
+    } else {
+      reduce_to_sources<float>(h, fn, d_recv_x, {}, d_recv_weights);
+      sum_partials<float>(h, d_x);
+    }
     if (!d_topk_weights.defined()) return;
     const int T = h.num_tokens, K = h.topk, R = size, Le = local_experts;
     const WindowLayout& L = world_->layout;
@@ -286,13 +262,12 @@ class HostGroup final : public GroupState {
     for (int t = 0; t < T; ++t)
       for (int k = 0; k < K; ++k) {
         const int e = routed[t * K + k];
-        float v = 0;
+        double v = 0;
         if (e >= 0) {
           const int d = e / Le;
-          const RowMeta* meta = reinterpret_cast<const RowMeta*>(world_->window(rank) + L.meta_offset(d, slot[t * R + d]));
-          v = meta[k].weight;
+          v = reinterpret_cast<const RowMeta*>(world_->window(rank) + L.meta_offset(d, slot[t * R + d]))[k].weight;
         }
-        d_topk_weights.ptr<float>()[t * K + k] = v;
+        store_from_double(d_topk_weights.data(), d_topk_weights.dtype(), t * K + k, v);
       }
   }
 
@@ -348,7 +323,9 @@ class HostGroup final : public GroupState {
     for (int j = 0; j < local_experts; ++j) {
       std::memset(static_cast<char*>(rows_out.data()) + (off[j] + rows[j]) * row_bytes, 0,
                   (off[j + 1] - off[j] - rows[j]) * row_bytes);
-      if (per_row.defined()) std::fill(per_row.ptr<float>() + off[j] + rows[j], per_row.ptr<float>() + off[j + 1], 0.0f);
+      if (per_row.defined())
+        std::memset(static_cast<char*>(per_row.data()) + (off[j] + rows[j]) * dtype_size(per_row.dtype()), 0,
+                    (off[j + 1] - off[j] - rows[j]) * dtype_size(per_row.dtype()));
     }
   }
 
@@ -367,32 +344,70 @@ class HostGroup final : public GroupState {
     world_->barrier.arrive_and_wait(rank, fn, timeout_s_);
   }
 
+  // Expert side of combine_backward: d_y[row] = round(w_row * d_out[t]) and
+  // d_row_weights[row] = <d_out[t], y[row]> accumulated with fma over h ascending.
+  template <class Acc>
+  void expand_gradients(const HandleState& h, DType dt, const TensorRef& y, const TensorRef& row_weights,
+                        const TensorRef& d_y, const TensorRef& d_row_weights) {
+    const int K = h.topk, R = size, H = static_cast<int>(config.hidden);
+    const WindowLayout& L = world_->layout;
+    const size_t row_bytes = static_cast<size_t>(H) * dtype_size(dt);
+    const int32_t* recv_row = h.recv_row.ptr<int32_t>();
+    const char* win = world_->window(rank);
+    std::vector<Acc> g(H), yv(H), scaled(H);
+    for (int s = 0; s < R; ++s)
+      for (int sl = 0; sl < h.recv_tokens.ptr<int32_t>()[s]; ++sl) {
+        load_row(win + L.row_offset(s, sl), dt, 0, H, g.data());
+        for (int k = 0; k < K; ++k) {
+          const int32_t row = recv_row[(static_cast<int64_t>(s) * h.max_tokens + sl) * K + k];
+          if (row < 0) continue;
+          char* dst = static_cast<char*>(d_y.data()) + row * row_bytes;
+          if (row_weights.defined()) {
+            const Acc wr = static_cast<Acc>(load_as_double(row_weights.data(), row_weights.dtype(), row));
+            for (int i = 0; i < H; ++i) scaled[i] = wr * g[i];
+            store_row(dst, dt, 0, H, scaled.data());
+          } else {
+            std::memcpy(dst, win + L.row_offset(s, sl), row_bytes);
+          }
+          if (d_row_weights.defined()) {
+            load_row(y.data(), y.dtype(), static_cast<int64_t>(row) * H, H, yv.data());
+            Acc acc = 0;
+            for (int i = 0; i < H; ++i) acc = std::fma(g[i], yv[i], acc);
+            store_from_double(d_row_weights.data(), d_row_weights.dtype(), row, acc);
+          }
+        }
+      }
+  }
+
   // Expert side of combine / dispatch_backward: one partial row per received (source, token),
-  // accumulated in fp32 over the token's slots in ascending order and written, in the rows'
-  // dtype, into the source's window; per-slot scalars (weight gradients) travel in the meta.
-  void reduce_to_sources(const HandleState& h, const char* fn, const TensorRef& rows_in, const float* row_weights,
-                         const float* row_scalars) {
+  // accumulated over the token's slots in ascending order (fma with the row weight when weighted)
+  // and written, in the rows' dtype, into the source's window; per-row scalars (weight gradients)
+  // travel back in the meta.
+  template <class Acc>
+  void reduce_to_sources(const HandleState& h, const char* fn, const TensorRef& rows_in, const TensorRef& row_weights,
+                         const TensorRef& row_scalars) {
     const int K = h.topk, R = size, H = static_cast<int>(config.hidden);
     const WindowLayout& L = world_->layout;
     const DType dt = rows_in.dtype();
     const int32_t* recv_row = h.recv_row.ptr<int32_t>();
-    std::vector<float> acc(H), v(H);
+    std::vector<Acc> acc(H), v(H);
     world_->barrier.arrive_and_wait(rank, fn, timeout_s_);
     for (int s = 0; s < R; ++s)
       for (int sl = 0; sl < h.recv_tokens.ptr<int32_t>()[s]; ++sl) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(acc.begin(), acc.end(), Acc(0));
         char* win = world_->window(s);
         RowMeta* meta = reinterpret_cast<RowMeta*>(win + L.meta_offset(rank, sl));
         for (int k = 0; k < K; ++k) {
           const int32_t row = recv_row[(static_cast<int64_t>(s) * h.max_tokens + sl) * K + k];
           if (row < 0) continue;
           load_row(rows_in.data(), dt, static_cast<int64_t>(row) * H, H, v.data());
-          if (row_weights) {
-            for (int i = 0; i < H; ++i) acc[i] = std::fma(row_weights[row], v[i], acc[i]);
+          if (row_weights.defined()) {
+            const Acc w = static_cast<Acc>(load_as_double(row_weights.data(), row_weights.dtype(), row));
+            for (int i = 0; i < H; ++i) acc[i] = std::fma(w, v[i], acc[i]);
           } else {
             for (int i = 0; i < H; ++i) acc[i] += v[i];
           }
-          if (row_scalars) meta[k].weight = row_scalars[row];
+          if (row_scalars.defined()) meta[k].weight = load_as_double(row_scalars.data(), row_scalars.dtype(), row);
         }
         store_row(win + L.row_offset(rank, sl), dt, 0, H, acc.data());
       }
@@ -400,13 +415,14 @@ class HostGroup final : public GroupState {
   }
 
   // Source side: out[t] = sum over ranks in ascending order of the partials that came back.
-  void sum_partials(const HandleState& h, const char*, const TensorRef& out) {
+  template <class Acc>
+  void sum_partials(const HandleState& h, const TensorRef& out) {
     const int T = h.num_tokens, R = size, H = static_cast<int>(config.hidden);
     const WindowLayout& L = world_->layout;
     const int32_t* slot = h.token_slot.ptr<int32_t>();
-    std::vector<float> acc(H), v(H);
+    std::vector<Acc> acc(H), v(H);
     for (int t = 0; t < T; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc.begin(), acc.end(), Acc(0));
       for (int d = 0; d < R; ++d) {
         if (slot[t * R + d] < 0) continue;
         load_row(world_->window(rank) + L.row_offset(d, slot[t * R + d]), out.dtype(), 0, H, v.data());

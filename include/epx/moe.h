@@ -1,0 +1,107 @@
+// The MoE layer: gate GEMM -> router -> prepare -> dispatch -> grouped expert FFN -> combine
+// (+ optional shared experts), forward and backward, on one rank of an EP group.
+//
+// Parameters are rank-local: the gate [H, E], the expert bias [E] and the shared experts are
+// replicated on every rank; the routed experts are sharded, rank r holding experts
+// [r*E/R, (r+1)*E/R). init_params draws every tensor from a counter-based generator keyed by
+// (seed, parameter, global expert index, element), so a layer on R ranks holds exactly the experts
+// the same layer on one rank holds, whatever R is.
+//
+// Gradients are rank-local too: expert gradients are complete (every token that reached an expert
+// contributed), the replicated parameters' gradients hold this rank's tokens only; sum them over
+// the data-parallel ranks as for any replicated parameter. Losses are global over the group.
+//
+// out = round(round(combine) + round(shared experts)); d_x sums the routed, gate and shared
+// contributions in fp32 before one rounding.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "epx/comm.h"
+#include "epx/grouped_gemm.h"
+#include "epx/layout.h"
+#include "epx/router.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+struct MoEConfig {
+  int64_t hidden = 0;
+  int64_t ffn_hidden = 0;
+  RouterConfig router;  // num_experts, topk, score function, groups, bias, aux/z losses
+  Activation activation = Activation::kSwiGLU;
+  bool expert_bias_terms = false;  // b_in / b_out in the expert FFNs
+  bool apply_weights_early = false;
+  PrepareOptions capacity;         // dropless by default
+  int64_t shared_ffn_hidden = 0;   // hidden size of the shared expert FFN; 0 = no shared experts
+  DType dtype = DType::kBF16;      // parameters and activations (fp64 for gradient checks)
+
+  void validate(const char* fn, const Group& group) const;
+  int projections() const { return is_gated(activation) ? 2 : 1; }
+};
+
+/// Parameters or their gradients (same shapes; gradients are fp32, fp64 for fp64 layers).
+struct MoEParams {
+  Tensor gate;          // [H, E]
+  Tensor expert_bias;   // [E] fp32, when router.use_expert_bias (updated, never trained)
+  Tensor w_in;          // [E_local, P, H, F]
+  Tensor b_in;          // [E_local, P, F] when expert_bias_terms
+  Tensor w_out;         // [E_local, F, H]
+  Tensor b_out;         // [E_local, H] when expert_bias_terms
+  Tensor shared_w_in;   // [1, P, H, Fs] when shared_ffn_hidden > 0
+  Tensor shared_w_out;  // [1, Fs, H]
+};
+
+/// What one forward saves for its backward: the routing handle and the activations. One context
+/// per layer and in-flight microbatch.
+class MoEContext {
+ public:
+  MoEContext();
+  ~MoEContext();
+  MoEContext(MoEContext&&) noexcept;
+  MoEContext& operator=(MoEContext&&) noexcept;
+
+  /// [2] {aux_loss, z_loss} on the layer's device, filled by forward.
+  const Tensor& losses() const;
+  const Handle& handle() const;
+  /// [T, K] router outputs of the forward.
+  const Tensor& topk_idx() const;
+  const Tensor& topk_weights() const;
+
+  struct State;
+  State& state() const;
+
+ private:
+  friend class MoELayer;
+  std::unique_ptr<State> state_;
+};
+
+class MoELayer {
+ public:
+  MoELayer(Group& group, const MoEConfig& config);
+  ~MoELayer();
+
+  const MoEConfig& config() const { return config_; }
+  Group& group() const { return group_; }
+  MoEParams& params() { return params_; }
+  const MoEParams& grads() const { return grads_; }
+
+  /// Deterministic initialisation, independent of the number of ranks (see the header note).
+  void init_params(uint64_t seed, double stddev = 0.02);
+
+  /// x [T, H] -> out [T, H] (both in config.dtype, on the group's device). Collective.
+  MoEContext forward(const TensorRef& x, const TensorRef& out, Stream stream = {});
+  /// d_out [T, H] -> d_x [T, H]; parameter gradients are written to grads() (overwritten).
+  /// d_aux and d_z seed the auxiliary losses (1 when they are added to the training loss).
+  void backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux = 1.0,
+                double d_z = 1.0, Stream stream = {});
+
+ private:
+  Group& group_;
+  MoEConfig config_;
+  MoEParams params_;
+  MoEParams grads_;
+};
+
+}  // namespace epx
