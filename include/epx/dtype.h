@@ -1,18 +1,25 @@
 // Element types and exact host conversions.
 //
 // Every narrow float type is converted with round-to-nearest-even on the way down, exactly as the
-// hardware cvt instructions do, so the CPU reference and the GPU kernels agree bit for bit:
-// - bf16 / fp16: IEEE-style; overflow goes to +-inf; NaN becomes the canonical 0x7FFF, as the
-//   hardware's cvt.rn.{bf16,f16}.f32 does.
-// - fp8 e4m3 (OCP "E4M3FN"): no infinities, one NaN pattern per sign (S.1111.111), max 448.
-//   Saturating conversion (the default, PTX .satfinite) clamps finite overflow AND +-inf to +-448;
-//   the non-saturating one turns anything that rounds above 448 into NaN.
-// - fp8 e5m2: IEEE-like with infinities, max 57344. Saturating clamps finite overflow and +-inf to
-//   +-57344; the non-saturating one rounds overflow to +-inf.
+// hardware cvt.rn instructions do, so the CPU reference and the GPU kernels agree bit for bit. Like
+// the hardware, the float-to-narrow conversions ignore the host's fenv rounding mode (the
+// double-to-float step of the double forms below is an ordinary C++ cast and does not).
+// - bf16 / fp16: IEEE-style; overflow goes to +-inf (fp16: 65520, the tie above the largest value
+//   65504, already rounds to inf); NaN becomes the canonical 0x7FFF, as the hardware's
+//   cvt.rn.{bf16,f16}.f32 does.
+// - fp8 e4m3 (OCP "E4M3FN"): bias 7, no infinities, one NaN pattern per sign (S.1111.111), max 448,
+//   subnormals in steps of 2^-9. Saturating conversion (the default, PTX .satfinite) clamps finite
+//   overflow AND +-inf to +-448; the non-saturating one turns anything that rounds above 448 into
+//   NaN (S.1111.111, keeping the sign). 464, the tie between 448 and the absent 480, rounds to 448
+//   in both modes.
+// - fp8 e5m2: bias 15, IEEE-like with infinities (0x7C), NaN 0x7D..0x7F, max 57344. Saturating
+//   clamps finite overflow and +-inf to +-57344; the non-saturating one rounds overflow to +-inf.
 // - e8m0 (OCP MX scale): an unsigned power of two 2^(bits-127), 0xFF = NaN, no zero, no sign.
 //   Conversion takes a rounding mode because the two conventions in use differ (the MX spec floors
 //   the exponent, NVIDIA's recipe rounds up so that the scaled block never saturates).
-// NaN inputs to fp8 give the canonical NaN 0x7F (e4m3) / 0x7F (e5m2).
+// NaN inputs to fp8 give the canonical NaN 0x7F (e4m3) / 0x7F (e5m2), whatever their sign.
+// Doubles reach a narrow format through fp32 (round_to_dtype, store_from_double, store_row), like
+// a GPU kernel that computes in fp32 and then converts: that is two roundings, not one.
 #pragma once
 
 #include <cstddef>
@@ -60,8 +67,9 @@ float e5m2_bits_to_float(uint8_t b);
 uint8_t float_to_e8m0_bits(float x, E8M0Rounding mode = E8M0Rounding::kCeil);
 float e8m0_bits_to_float(uint8_t b);
 
-/// Rounds x to the nearest value representable in `t` (identity for fp32/fp64); integers truncate
-/// toward zero. Used by the reference to model the storage precision of an op's output.
+/// Rounds x to a value representable in `t` (identity for fp64; narrow floats via fp32, see above;
+/// fp8 saturating, e8m0 kCeil); integers truncate toward zero. Used by the reference to model the
+/// storage precision of an op's output.
 double round_to_dtype(double x, DType t);
 
 /// Reads element i of a typed array as double / writes it with round-to-nearest-even.

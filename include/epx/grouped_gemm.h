@@ -3,17 +3,27 @@
 // Layout. Rows of local expert j are [offsets[j], offsets[j] + rows[j]); rows up to offsets[j+1]
 // are padding. offsets [G+1] and rows [G] are int32 tensors on the device (Handle::expert_offsets()
 // and Handle::expert_rows()): the host never reads them, so every op here is capturable in a CUDA
-// graph. Padding rows are never read as data; outputs write zeros there; rows at or past
-// offsets[G] are left untouched.
+// graph. Their values must satisfy offsets[0] = 0, rows[j] >= 0, offsets[j] + rows[j] <=
+// offsets[j+1] and offsets[G] <= the tensors' row count; a violation is an epx::Error naming the
+// group and the values (raised before any output is written by the CPU reference). Padding rows
+// are never read as data; outputs write zeros there; rows at or past offsets[G] are left untouched.
+// Empty groups, G = 1 and a row count of 0 are all valid.
 //
-// Precision. Products accumulate in fp32 (fp64 for fp64 inputs). A GEMM output is rounded once to
-// its tensor's dtype. The FFN's FC1 epilogue works on the fp32 accumulator: a = acc + bias is
-// saved (rounded) for backward, h = act(a_fp32) [* row weight when apply_weights_early] is rounded
-// once; backward recomputes act and act' from the saved a.
+// Precision. Products accumulate in fp32 (fp64 when the inputs are fp64, for finite-difference
+// checks), over the reduction index in ascending order in the CPU reference. A GEMM output is
+// rounded once to its tensor's dtype; with `accumulate`, old + acc is formed in the accumulator
+// precision and rounded once. The FFN's FC1 epilogue works on the fp32 accumulator: acc = x.w_in
+// (+ b_in) is saved rounded as `a` for backward, h = act(acc) [* row weight when
+// apply_weights_early] is computed from the UNROUNDED acc and rounded once, FC2 reads that rounded
+// h; backward recomputes act and act' from the saved (rounded) a.
 //
 // Weights. w_in [G, P, H, F] with P = 2 stacked projections for gated activations (wi_0, wi_1 on
 // their own axis) or P = 1; w_out [G, F, H]; optional biases b_in [G, P, F] and b_out [G, H] are
-// all given or all absent.
+// both given or both absent (one without the other is an error, never a silent zero).
+//
+// Dtypes. Data (x, weights, biases, a, h, y, d_y, d_x) in one of bf16, fp16, fp32, fp64.
+// The dense GEMM's c, wgrad's dw and the FFN's weight and bias gradients are fp32 or the inputs'
+// dtype. Row weights and their gradient are fp32, or fp64 when the data is fp64.
 #pragma once
 
 #include <cstdint>
@@ -22,27 +32,32 @@
 
 namespace epx {
 
-/// Dense GEMM: c [M, N] = op(a) . op(b) (+ c when accumulate), op = transpose when asked;
-/// a, b in one dtype, c fp32 or that dtype. The gate projection and the shared experts use it.
+/// Dense GEMM: c [M, N] = op(a) . op(b) (+ c when accumulate), op = transpose when asked, so a is
+/// [M, K] ([K, M] transposed) and b is [K, N] ([N, K] transposed); a, b in one dtype, c fp32 or that
+/// dtype; accumulate needs a wide c (fp32, or fp64 for fp64 inputs). The gate projection and the
+/// shared experts use it.
 void gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool transpose_a = false,
           bool transpose_b = false, bool accumulate = false, Stream stream = {});
 
-/// y [rows, N] = x [rows, K] . w[j] [K, N] for the rows of each group j.
+/// y [rows, N] = x [rows, K] . w[j] [K, N] for the rows of each group j; x, w, y in one dtype.
 void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                           const TensorRef& y, Stream stream = {});
-/// dx [rows, K] = dy [rows, N] . w[j]^T.
+/// dx [rows, K] = dy [rows, N] . w[j]^T; dy, w, dx in one dtype.
 void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dx, Stream stream = {});
-/// dw [G, K, N] (fp32 or x's dtype) = x_j^T . dy_j; with accumulate, adds into dw (fp32 only).
+/// dw [G, K, N] (fp32 or x's dtype) = x_j^T . dy_j over the group's real rows (zeros for an empty
+/// group); with accumulate, adds into dw (fp32, or fp64 for fp64 inputs), and an empty group leaves
+/// dw[j] as it was.
 void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dw, bool accumulate = false, Stream stream = {});
 
 enum class Activation : uint8_t {
-  kSwiGLU,  // silu(a0) * a1
-  kGeGLU,   // gelu_tanh(a0) * a1
+  kSwiGLU,  // silu(a0) * a1,       silu(z) = z / (1 + exp(-z))
+  kGeGLU,   // gelu_tanh(a0) * a1,  gelu_tanh(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
   kGelu,    // gelu_tanh(a0)
   kRelu2,   // relu(a0)^2
 };
+/// "swiglu", "geglu", "gelu", "relu2" (stable: used in messages and JSON).
 const char* activation_name(Activation a);
 inline bool is_gated(Activation a) { return a == Activation::kSwiGLU || a == Activation::kGeGLU; }
 
@@ -53,11 +68,14 @@ struct MlpConfig {
 
 /// Tensors of the expert FFN. Forward reads x, offsets, rows, row_weights (early only), the
 /// weights; writes a (saved pre-activations [rows, P, F]), h (saved activations [rows, F]) and y.
+/// Backward reads x, offsets, rows, row_weights (early only), w_in, w_out, a and h; the biases
+/// only tell it whether bias gradients are expected; y is not read (it may be left undefined).
+/// row_weights is given exactly when apply_weights_early.
 struct MlpTensors {
   TensorRef x;            // [rows, H]
   TensorRef offsets;      // [G+1] int32
   TensorRef rows;         // [G] int32
-  TensorRef row_weights;  // [rows] fp32, apply_weights_early only
+  TensorRef row_weights;  // [rows] fp32 (fp64 with fp64 data), apply_weights_early only
   TensorRef w_in;         // [G, P, H, F]
   TensorRef b_in;         // [G, P, F] optional
   TensorRef w_out;        // [G, F, H]
@@ -67,11 +85,13 @@ struct MlpTensors {
   TensorRef y;            // [rows, H]
 };
 
-/// Gradients of the expert FFN. d_w_* and d_b_* are fp32 (or the weights' dtype) and OVERWRITTEN.
+/// Gradients of the expert FFN, all OVERWRITTEN. d_y and d_x have x's dtype; d_x and d_row_weights
+/// are zero on padding rows. d_w_* and d_b_* are fp32 (or the weights' dtype); d_b_* are given
+/// exactly when the layer has biases, d_row_weights exactly when apply_weights_early.
 struct MlpGrads {
   TensorRef d_y;            // [rows, H] in
   TensorRef d_x;            // [rows, H] out
-  TensorRef d_row_weights;  // [rows] fp32 out, apply_weights_early only
+  TensorRef d_row_weights;  // [rows] fp32 (fp64 with fp64 data) out, apply_weights_early only
   TensorRef d_w_in, d_b_in, d_w_out, d_b_out;
 };
 

@@ -1,0 +1,231 @@
+// Public entry points of the dense GEMM, the grouped GEMM and the expert FFN: validate every
+// argument once, then run the CPU reference for host tensors (the CUDA kernels will plug in where
+// CUDA tensors are refused).
+//
+// Dtype rules (include/epx/grouped_gemm.h): data in bf16, fp16, fp32 or fp64, one dtype per op;
+// gemm's c, wgrad's dw and the FFN's weight and bias gradients may be fp32 instead (logits and
+// optimizer-side gradients are fp32); `accumulate` needs a wide output (fp32, or fp64 for fp64
+// data) because adding into a narrow one would round the running sum at every step; row weights
+// and their gradient are fp32, fp64 for fp64 data. The group count G is taken from `rows`, so the
+// weights are checked against a fully known shape. offsets [G+1] / rows [G] are int32 whose VALUES
+// live on the device: only the reference (or a kernel) can check them, so they are checked there,
+// before anything is written.
+#include <initializer_list>
+#include <utility>
+
+#include "core/check.h"
+#include "epx/error.h"
+#include "epx/grouped_gemm.h"
+#include "ref/expert_mlp.h"
+#include "ref/grouped_gemm.h"
+
+namespace epx {
+
+using detail::check_device;
+using detail::check_tensor;
+
+const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::kSwiGLU: return "swiglu";
+    case Activation::kGeGLU: return "geglu";
+    case Activation::kGelu: return "gelu";
+    case Activation::kRelu2: return "relu2";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr std::initializer_list<DType> kDataTypes = {DType::kBF16, DType::kF16, DType::kF32, DType::kF64};
+
+bool is_wide(DType t) { return t == DType::kF32 || t == DType::kF64; }
+
+// An output that may be fp32 or the data dtype (listing fp32 once when they coincide).
+void check_wide_or_same(const char* fn, const char* name, const TensorRef& t, std::initializer_list<int64_t> shape,
+                        DType data) {
+  if (data == DType::kF32)
+    check_tensor(fn, name, t, shape, {DType::kF32});
+  else
+    check_tensor(fn, name, t, shape, {DType::kF32, data});
+}
+
+DType float_dtype_for(DType data) { return data == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+// G from `rows`: "w has shape [8, 512, 256], expected [8, 512, 128]" beats "expected [*, 512, *]".
+int64_t check_layout(const char* fn, const TensorRef& offsets, const TensorRef& rows) {
+  check_tensor(fn, "rows", rows, {-1}, {DType::kI32});
+  const int64_t G = rows.size(0);
+  check_tensor(fn, "offsets", offsets, {G + 1}, {DType::kI32});
+  return G;
+}
+
+void check_all_on(const char* fn, Device dev, std::initializer_list<std::pair<const char*, const TensorRef*>> ts) {
+  for (auto& [name, t] : ts) check_device(fn, name, *t, dev);
+}
+
+void require_host(const char* fn, Device dev) {
+  require_status(dev.is_cpu(), Status::kNotSupported, fn, "CUDA tensors are not supported by this op yet");
+}
+
+void check_accumulate(const char* fn, const char* name, const TensorRef& out, bool accumulate) {
+  require(!accumulate || is_wide(out.dtype()), fn, "accumulate needs an fp32 ", name, " (fp64 for fp64 inputs), ",
+          name, " has dtype ", dtype_name(out.dtype()));
+}
+
+// ---- expert FFN ----------------------------------------------------------------------------------
+
+struct MlpDims {
+  int64_t R = 0, H = 0, G = 0, P = 0, F = 0;
+  bool bias = false;
+};
+
+MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& t) {
+  const int act = static_cast<int>(c.activation);
+  require(act >= 0 && act <= static_cast<int>(Activation::kRelu2), fn, "config.activation is ", act,
+          ", expected swiglu, geglu, gelu or relu2");
+  MlpDims d;
+  check_tensor(fn, "x", t.x, {-1, -1}, kDataTypes);
+  const DType dt = t.x.dtype();
+  d.R = t.x.size(0);
+  d.H = t.x.size(1);
+  d.P = is_gated(c.activation) ? 2 : 1;
+  d.G = check_layout(fn, t.offsets, t.rows);
+  check_tensor(fn, "w_in", t.w_in, {d.G, -1, d.H, -1}, {dt});
+  d.F = t.w_in.size(3);
+  require(t.w_in.size(1) == d.P, fn, "w_in has shape ", t.w_in.shape().str(), ", expected [", d.G, ", ", d.P, ", ",
+          d.H, ", ", d.F, "] for ", activation_name(c.activation),
+          d.P == 2 ? " (a gated activation stacks its two input projections on axis 1)"
+                   : " (one input projection on axis 1)");
+  check_tensor(fn, "w_out", t.w_out, {d.G, d.F, d.H}, {dt});
+
+  require(t.b_in.defined() == t.b_out.defined(), fn, "partial bias set: ",
+          t.b_in.defined() ? "b_in is given but b_out is missing" : "b_out is given but b_in is missing",
+          " (give both biases or neither)");
+  d.bias = t.b_in.defined();
+  if (d.bias) {
+    check_tensor(fn, "b_in", t.b_in, {d.G, d.P, d.F}, {dt});
+    check_tensor(fn, "b_out", t.b_out, {d.G, d.H}, {dt});
+  }
+  if (c.apply_weights_early)
+    require(t.row_weights.defined(), fn,
+            "row_weights is missing (config.apply_weights_early multiplies h by each row's topk weight)");
+  else
+    require(!t.row_weights.defined(), fn,
+            "row_weights is given but config.apply_weights_early is false (the weights are then applied in combine)");
+  if (t.row_weights.defined()) check_tensor(fn, "row_weights", t.row_weights, {d.R}, {float_dtype_for(dt)});
+  check_tensor(fn, "a", t.a, {d.R, d.P, d.F}, {dt});
+  check_tensor(fn, "h", t.h, {d.R, d.F}, {dt});
+  return d;
+}
+
+void check_mlp_devices(const char* fn, const MlpTensors& t, const MlpGrads* g) {
+  const Device dev = t.x.device();
+  check_all_on(fn, dev,
+               {{"offsets", &t.offsets}, {"rows", &t.rows}, {"row_weights", &t.row_weights}, {"w_in", &t.w_in},
+                {"b_in", &t.b_in}, {"w_out", &t.w_out}, {"b_out", &t.b_out}, {"a", &t.a}, {"h", &t.h}, {"y", &t.y}});
+  if (g)
+    check_all_on(fn, dev,
+                 {{"d_y", &g->d_y}, {"d_x", &g->d_x}, {"d_row_weights", &g->d_row_weights}, {"d_w_in", &g->d_w_in},
+                  {"d_b_in", &g->d_b_in}, {"d_w_out", &g->d_w_out}, {"d_b_out", &g->d_b_out}});
+  require_host(fn, dev);
+}
+
+}  // namespace
+
+void gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool transpose_a, bool transpose_b,
+          bool accumulate, Stream stream) {
+  const char* fn = "epx::gemm";
+  check_tensor(fn, "a", a, {-1, -1}, kDataTypes);
+  const int64_t M = transpose_a ? a.size(1) : a.size(0), K = transpose_a ? a.size(0) : a.size(1);
+  if (transpose_b)
+    check_tensor(fn, "b", b, {-1, K}, {a.dtype()});
+  else
+    check_tensor(fn, "b", b, {K, -1}, {a.dtype()});
+  const int64_t N = transpose_b ? b.size(0) : b.size(1);
+  check_wide_or_same(fn, "c", c, {M, N}, a.dtype());
+  check_accumulate(fn, "c", c, accumulate);
+  check_all_on(fn, a.device(), {{"b", &b}, {"c", &c}});
+  require_host(fn, a.device());
+  ref::gemm(a, b, c, transpose_a, transpose_b, accumulate);
+}
+
+void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
+                          const TensorRef& y, Stream stream) {
+  const char* fn = "epx::grouped_gemm_forward";
+  check_tensor(fn, "x", x, {-1, -1}, kDataTypes);
+  const int64_t R = x.size(0), K = x.size(1);
+  const int64_t G = check_layout(fn, offsets, rows);
+  check_tensor(fn, "y", y, {R, -1}, {x.dtype()});
+  const int64_t N = y.size(1);
+  check_tensor(fn, "w", w, {G, K, N}, {x.dtype()});
+  check_all_on(fn, x.device(), {{"w", &w}, {"offsets", &offsets}, {"rows", &rows}, {"y", &y}});
+  require_host(fn, x.device());
+  ref::grouped_gemm_forward(x, w, offsets, rows, y);
+}
+
+void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
+                        const TensorRef& dx, Stream stream) {
+  const char* fn = "epx::grouped_gemm_dgrad";
+  check_tensor(fn, "dy", dy, {-1, -1}, kDataTypes);
+  const int64_t R = dy.size(0), N = dy.size(1);
+  const int64_t G = check_layout(fn, offsets, rows);
+  check_tensor(fn, "dx", dx, {R, -1}, {dy.dtype()});
+  const int64_t K = dx.size(1);
+  check_tensor(fn, "w", w, {G, K, N}, {dy.dtype()});
+  check_all_on(fn, dy.device(), {{"w", &w}, {"offsets", &offsets}, {"rows", &rows}, {"dx", &dx}});
+  require_host(fn, dy.device());
+  ref::grouped_gemm_dgrad(dy, w, offsets, rows, dx);
+}
+
+void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
+                        const TensorRef& dw, bool accumulate, Stream stream) {
+  const char* fn = "epx::grouped_gemm_wgrad";
+  check_tensor(fn, "x", x, {-1, -1}, kDataTypes);
+  const int64_t R = x.size(0), K = x.size(1);
+  check_tensor(fn, "dy", dy, {R, -1}, {x.dtype()});
+  const int64_t N = dy.size(1);
+  const int64_t G = check_layout(fn, offsets, rows);
+  check_wide_or_same(fn, "dw", dw, {G, K, N}, x.dtype());
+  check_accumulate(fn, "dw", dw, accumulate);
+  check_all_on(fn, x.device(), {{"dy", &dy}, {"offsets", &offsets}, {"rows", &rows}, {"dw", &dw}});
+  require_host(fn, x.device());
+  ref::grouped_gemm_wgrad(x, dy, offsets, rows, dw, accumulate);
+}
+
+void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream stream) {
+  const char* fn = "epx::expert_mlp_forward";
+  const MlpDims d = check_mlp_tensors(fn, config, t);
+  check_tensor(fn, "y", t.y, {d.R, d.H}, {t.x.dtype()});
+  check_mlp_devices(fn, t, nullptr);
+  ref::expert_mlp_forward(config, t);
+}
+
+void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g, Stream stream) {
+  const char* fn = "epx::expert_mlp_backward";
+  const MlpDims d = check_mlp_tensors(fn, config, t);
+  const DType dt = t.x.dtype(), wdt = t.w_in.dtype();
+  if (t.y.defined()) check_tensor(fn, "y", t.y, {d.R, d.H}, {dt});  // not read; a mix-up is still worth a message
+  check_tensor(fn, "d_y", g.d_y, {d.R, d.H}, {dt});
+  check_tensor(fn, "d_x", g.d_x, {d.R, d.H}, {dt});
+  if (config.apply_weights_early)
+    check_tensor(fn, "d_row_weights", g.d_row_weights, {d.R}, {float_dtype_for(dt)});
+  else
+    require(!g.d_row_weights.defined(), fn,
+            "d_row_weights is given but config.apply_weights_early is false (the weights get their gradient in "
+            "combine_backward)");
+  check_wide_or_same(fn, "d_w_in", g.d_w_in, {d.G, d.P, d.H, d.F}, wdt);
+  check_wide_or_same(fn, "d_w_out", g.d_w_out, {d.G, d.F, d.H}, wdt);
+  if (d.bias) {
+    require(g.d_b_in.defined(), fn, "d_b_in is missing (the layer has biases: b_in and b_out are given)");
+    require(g.d_b_out.defined(), fn, "d_b_out is missing (the layer has biases: b_in and b_out are given)");
+    check_wide_or_same(fn, "d_b_in", g.d_b_in, {d.G, d.P, d.F}, wdt);
+    check_wide_or_same(fn, "d_b_out", g.d_b_out, {d.G, d.H}, wdt);
+  } else {
+    require(!g.d_b_in.defined() && !g.d_b_out.defined(), fn, g.d_b_in.defined() ? "d_b_in" : "d_b_out",
+            " is given but the layer has no biases (b_in and b_out are absent)");
+  }
+  check_mlp_devices(fn, t, &g);
+  ref::expert_mlp_backward(config, t, g);
+}
+
+}  // namespace epx

@@ -1,0 +1,265 @@
+// The MoE layer composes the public ops; it never touches data itself, so one implementation serves
+// every backend (the host reference with simulated ranks, and the GPU one).
+//
+// Forward:  logits = x . gate (fp32 accumulate)   -> route_forward (topk_idx, topk_weights, stats)
+//           prepare (capacity)  -> count_routed on the KEPT routing -> all-reduce the statistics
+//           -> router_losses    -> dispatch_forward -> expert_mlp_forward -> combine_forward
+//           (+ shared experts on x, added after the routed sum).
+// Backward: shared experts backward; combine_backward; expert_mlp_backward; dispatch_backward;
+//           route_backward; gate: d_logits is rounded to the layer dtype for the two gate GEMMs
+//           (operands in the layer dtype, as a tensor-core GEMM takes them).
+// Statistics are one contiguous buffer [scalars(2) | prob_sum(S*E) | counts(S*E)] so the global-
+// batch loss needs a single all-reduce; the sequence loss reduces only the scalars.
+#include "epx/moe.h"
+
+#include <vector>
+
+#include "core/check.h"
+#include "core/random.h"
+#include "epx/error.h"
+#include "moe/elementwise.h"
+
+namespace epx {
+
+using detail::check_device;
+using detail::check_tensor;
+
+struct MoEContext::State {
+  int num_tokens = 0;
+  TensorRef x;  // the caller's input, read again by backward (gate and shared-expert gradients)
+  Tensor logits, topk_idx, topk_weights, stats_buffer, losses;
+  RouterStats stats;
+  Handle handle;
+  Tensor recv_x, recv_weights, a, h, y;
+  Tensor shared_offsets, shared_rows, shared_a, shared_h, shared_y;
+  bool used_by_backward = false;
+};
+
+MoEContext::MoEContext() = default;
+MoEContext::~MoEContext() = default;
+MoEContext::MoEContext(MoEContext&&) noexcept = default;
+MoEContext& MoEContext::operator=(MoEContext&&) noexcept = default;
+MoEContext::State& MoEContext::state() const {
+  if (!state_) throw Error(Status::kInvalidArgument, "epx::MoEContext: used before MoELayer::forward() or after move");
+  return *state_;
+}
+const Tensor& MoEContext::losses() const { return state().losses; }
+const Handle& MoEContext::handle() const { return state().handle; }
+const Tensor& MoEContext::topk_idx() const { return state().topk_idx; }
+const Tensor& MoEContext::topk_weights() const { return state().topk_weights; }
+
+namespace {
+
+DType accum_dtype(DType dt) { return dt == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+TensorRef sub(const Tensor& base, int64_t offset, Shape shape) {
+  char* p = static_cast<char*>(base.data()) + offset * dtype_size(base.dtype());
+  return TensorRef(p, base.dtype(), shape, base.device());
+}
+
+Tensor device_ints(std::vector<int32_t> v, Device dev) {
+  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kI32);
+  std::copy(v.begin(), v.end(), h.ptr<int32_t>());
+  return dev.is_cpu() ? h : h.to(dev);
+}
+
+void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double stddev, int64_t offset = 0, int64_t count = -1) {
+  if (!t.defined()) return;
+  if (count < 0) count = t.numel();
+  Tensor h = Tensor::empty({count}, t.dtype());
+  for (int64_t i = 0; i < count; ++i)
+    store_from_double(h.data(), t.dtype(), i, stddev * detail::counter_normal(seed, stream, static_cast<uint64_t>(i)));
+  copy(h, sub(t, offset, {count}));
+}
+
+}  // namespace
+
+void MoEConfig::validate(const char* fn, const Group& group) const {
+  const GroupConfig& g = group.config();
+  router.validate(fn);
+  require(hidden >= 1 && hidden == g.hidden, fn, "config.hidden is ", hidden, ", the group was created for hidden = ",
+          g.hidden);
+  require(ffn_hidden >= 1, fn, "config.ffn_hidden is ", ffn_hidden, ", expected >= 1");
+  require(router.num_experts == g.num_experts, fn, "config.router.num_experts is ", router.num_experts,
+          ", the group was created for ", g.num_experts, " experts");
+  require(router.topk <= g.max_topk, fn, "config.router.topk is ", router.topk, ", the group's max_topk is ", g.max_topk);
+  require(dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32 || dtype == DType::kF64, fn,
+          "config.dtype is ", dtype_name(dtype), ", expected bf16, fp16, fp32 or fp64");
+  require(dtype_size(dtype) <= dtype_size(g.max_dtype), fn, "config.dtype is ", dtype_name(dtype),
+          ", wider than the group's max_dtype ", dtype_name(g.max_dtype));
+  require(shared_ffn_hidden >= 0, fn, "config.shared_ffn_hidden is ", shared_ffn_hidden, ", expected >= 0");
+}
+
+MoELayer::MoELayer(Group& group, const MoEConfig& config) : group_(group), config_(config) {
+  const char* fn = "epx::MoELayer";
+  config_.validate(fn, group);
+  const Device dev = group.device();
+  const int64_t H = config.hidden, F = config.ffn_hidden, Fs = config.shared_ffn_hidden, E = config.router.num_experts;
+  const int64_t Le = group.local_experts(), P = config.projections();
+  const DType dt = config.dtype, gt = accum_dtype(dt);
+  auto make = [&](MoEParams& p, DType t) {
+    p.gate = Tensor::zeros({H, E}, t, dev);
+    p.w_in = Tensor::zeros({Le, P, H, F}, t, dev);
+    p.w_out = Tensor::zeros({Le, F, H}, t, dev);
+    if (config.expert_bias_terms) {
+      p.b_in = Tensor::zeros({Le, P, F}, t, dev);
+      p.b_out = Tensor::zeros({Le, H}, t, dev);
+    }
+    if (Fs > 0) {
+      p.shared_w_in = Tensor::zeros({1, P, H, Fs}, t, dev);
+      p.shared_w_out = Tensor::zeros({1, Fs, H}, t, dev);
+    }
+  };
+  make(params_, dt);
+  make(grads_, gt);
+  if (config.router.use_expert_bias) params_.expert_bias = Tensor::zeros({E}, DType::kF32, dev);
+}
+
+MoELayer::~MoELayer() = default;
+
+void MoELayer::init_params(uint64_t seed, double stddev) {
+  const int64_t Le = group_.local_experts();
+  fill_normal(params_.gate, seed, 1, stddev);
+  fill_normal(params_.shared_w_in, seed, 2, stddev);
+  fill_normal(params_.shared_w_out, seed, 3, stddev);
+  auto per_expert = [&](const Tensor& t, uint64_t which) {
+    if (!t.defined()) return;
+    const int64_t n = t.numel() / Le;
+    for (int64_t j = 0; j < Le; ++j) {
+      const uint64_t e = static_cast<uint64_t>(group_.first_local_expert() + j);
+      fill_normal(t, seed, 1000 + 4 * e + which, stddev, j * n, n);
+    }
+  };
+  per_expert(params_.w_in, 0);
+  per_expert(params_.b_in, 1);
+  per_expert(params_.w_out, 2);
+  per_expert(params_.b_out, 3);
+}
+
+MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream stream) {
+  const char* fn = "epx::MoELayer::forward";
+  const MoEConfig& c = config_;
+  const Device dev = group_.device();
+  const int64_t H = c.hidden, E = c.router.num_experts, K = c.router.topk;
+  check_tensor(fn, "x", x, {-1, H}, {c.dtype});
+  const int64_t T = x.size(0);
+  check_tensor(fn, "out", out, {T, H}, {c.dtype});
+  check_device(fn, "x", x, dev);
+  check_device(fn, "out", out, dev);
+  if (c.router.aux_loss == AuxLossType::kSequence)
+    require(T % c.router.seq_len == 0, fn, "x has ", T, " tokens, expected a multiple of router.seq_len = ",
+            c.router.seq_len, " for the sequence-level aux loss");
+  const DType gt = accum_dtype(c.dtype);
+  const int64_t S = c.router.aux_loss == AuxLossType::kSequence ? T / c.router.seq_len : 1;
+
+  MoEContext ctx;
+  ctx.state_ = std::make_unique<MoEContext::State>();
+  MoEContext::State& s = *ctx.state_;
+  s.num_tokens = static_cast<int>(T);
+  s.x = x;
+
+  // Router.
+  s.logits = Tensor::empty({T, E}, gt, dev);
+  gemm(x, params_.gate, s.logits, false, false, false, stream);
+  s.topk_idx = Tensor::empty({T, K}, DType::kI32, dev);
+  s.topk_weights = Tensor::empty({T, K}, gt, dev);
+  s.stats_buffer = Tensor::zeros({2 + 2 * S * E}, gt, dev);
+  s.stats.scalars = sub(s.stats_buffer, 0, {2});
+  s.stats.prob_sum = sub(s.stats_buffer, 2, {S, E});
+  s.stats.counts = sub(s.stats_buffer, 2 + S * E, {S, E});
+  route_forward(c.router, s.logits, params_.expert_bias, s.topk_idx, s.topk_weights, s.stats, stream);
+  s.handle = prepare(group_, s.topk_idx, s.topk_weights, c.capacity, stream);
+  count_routed(c.router, s.handle.routed_experts(), s.stats, stream);
+  all_reduce_sum(group_, c.router.aux_loss == AuxLossType::kSequence ? s.stats.scalars : s.stats_buffer.ref(), stream);
+  s.losses = Tensor::empty({2}, gt, dev);
+  router_losses(c.router, s.stats, s.losses, stream);
+
+  // Routed experts.
+  const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
+  s.recv_x = Tensor::empty({cap, H}, c.dtype, dev);
+  s.recv_weights = Tensor::empty({cap}, gt, dev);
+  dispatch_forward(group_, s.handle, x, s.topk_weights, s.recv_x, s.recv_weights, stream);
+  s.a = Tensor::empty({cap, P, F}, c.dtype, dev);
+  s.h = Tensor::empty({cap, F}, c.dtype, dev);
+  s.y = Tensor::empty({cap, H}, c.dtype, dev);
+  MlpConfig mc{c.activation, c.apply_weights_early};
+  MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
+                c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
+                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y};
+  expert_mlp_forward(mc, mt, stream);
+  combine_forward(group_, s.handle, s.y, c.apply_weights_early ? TensorRef() : s.recv_weights.ref(), out, stream);
+
+  // Shared experts: one dense FFN over all tokens, as a one-group grouped FFN.
+  if (c.shared_ffn_hidden > 0) {
+    const int64_t Fs = c.shared_ffn_hidden;
+    s.shared_offsets = device_ints({0, static_cast<int32_t>(T)}, dev);
+    s.shared_rows = device_ints({static_cast<int32_t>(T)}, dev);
+    s.shared_a = Tensor::empty({T, P, Fs}, c.dtype, dev);
+    s.shared_h = Tensor::empty({T, Fs}, c.dtype, dev);
+    s.shared_y = Tensor::empty({T, H}, c.dtype, dev);
+    MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
+                  s.shared_a, s.shared_h, s.shared_y};
+    expert_mlp_forward(MlpConfig{c.activation, false}, st, stream);
+    detail::add(out, s.shared_y, out, stream);
+  }
+  return ctx;
+}
+
+void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,
+                        Stream stream) {
+  const char* fn = "epx::MoELayer::backward";
+  const MoEConfig& c = config_;
+  MoEContext::State& s = ctx.state();
+  const Device dev = group_.device();
+  const int64_t T = s.num_tokens, H = c.hidden, E = c.router.num_experts, K = c.router.topk;
+  check_tensor(fn, "d_out", d_out, {T, H}, {c.dtype});
+  check_tensor(fn, "d_x", d_x, {T, H}, {c.dtype});
+  check_device(fn, "d_out", d_out, dev);
+  check_device(fn, "d_x", d_x, dev);
+  const DType gt = accum_dtype(c.dtype);
+  const int64_t cap = group_.recv_capacity_rows();
+
+  // Routed experts, from the output back to the tokens.
+  Tensor d_y = Tensor::empty({cap, H}, c.dtype, dev);
+  Tensor d_recv_weights = Tensor::empty({cap}, gt, dev);
+  const TensorRef combine_weights = c.apply_weights_early ? TensorRef() : s.recv_weights.ref();
+  combine_backward(group_, s.handle, d_out, s.y, combine_weights, d_y,
+                   c.apply_weights_early ? TensorRef() : d_recv_weights.ref(), stream);
+  Tensor d_recv_x = Tensor::empty({cap, H}, c.dtype, dev);
+  MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
+                c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
+                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y};
+  MlpGrads mg{d_y, d_recv_x, c.apply_weights_early ? d_recv_weights.ref() : TensorRef(),
+              grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
+  expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early}, mt, mg, stream);
+  Tensor d_x_routed = Tensor::empty({T, H}, c.dtype, dev);
+  Tensor d_topk_weights = Tensor::empty({T, K}, gt, dev);
+  dispatch_backward(group_, s.handle, d_recv_x, d_recv_weights, d_x_routed, d_topk_weights, stream);
+
+  // Router and gate.
+  Tensor d_logits = Tensor::empty({T, E}, gt, dev);
+  route_backward(c.router, s.logits, params_.expert_bias, s.topk_idx, d_topk_weights, s.stats, d_aux, d_z, d_logits,
+                 stream);
+  Tensor d_logits_dt = d_logits;
+  if (c.dtype != gt) {
+    d_logits_dt = Tensor::empty({T, E}, c.dtype, dev);
+    detail::cast(d_logits, d_logits_dt, stream);
+  }
+  gemm(s.x, d_logits_dt, grads_.gate, true, false, false, stream);
+  Tensor d_x_acc = Tensor::empty({T, H}, gt, dev);
+  gemm(d_logits_dt, params_.gate, d_x_acc, false, true, false, stream);
+  detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
+
+  if (c.shared_ffn_hidden > 0) {
+    Tensor d_x_shared = Tensor::empty({T, H}, c.dtype, dev);
+    MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
+                  s.shared_a, s.shared_h, s.shared_y};
+    MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
+    expert_mlp_backward(MlpConfig{c.activation, false}, st, sg, stream);
+    detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
+  }
+  detail::cast(d_x_acc, d_x, stream);
+  s.used_by_backward = true;
+}
+
+}  // namespace epx

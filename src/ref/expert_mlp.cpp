@@ -1,0 +1,220 @@
+// CPU reference of the expert FFN, forward and backward, one real row at a time per group.
+//
+// Forward, row r of group j (Acc = fp32, fp64 for fp64 data; every sum ascending):
+//   acc_p  = sum_k x[r, k] w_in[j, p, k, :]  (+ b_in[j, p, :])      bias added to the finished sum
+//   a[r,p] = round(acc_p)                                           saved for backward
+//   act    = silu(acc_0) * acc_1 | gelu_tanh(acc_0) * acc_1 | gelu_tanh(acc_0) | relu(acc_0)^2
+//            from the UNROUNDED accumulators, times row_weights[r] when early
+//   h[r]   = round(act)                                             saved; FC2 reads this rounded h
+//   y[r]   = round( sum_f h[r, f] w_out[j, f, :]  (+ b_out[j, :]) )
+// Backward, from the saved a (rounded) and h:
+//   d_h    = sum_n d_y[r, n] w_out[j, :, n]                         kept in Acc, not rounded
+//   early: d_row_weights[r] = sum_f d_h[f] act_u[f] (act_u = unweighted act), d_act = d_h w_r;
+//   else d_act = d_h
+//   d_a_0  = d_act * d act / d a_0,  d_a_1 = d_act * d act / d a_1  (gated)   kept in Acc
+//   d_x[r] = round( sum over (p, f) ascending of d_a_p[f] w_in[j, p, :, f] )
+//   d_w_out[j] = round(sum_r h[r]^T d_y[r]), d_b_out[j] = round(sum_r d_y[r]),
+//   d_w_in[j, p] = round(sum_r x[r]^T d_a_p[r]), d_b_in[j, p] = round(sum_r d_a_p[r]),
+//   each sum over the group's real rows in ascending order (zeros for an empty group).
+// Padding rows of a, h, y, d_x and d_row_weights are written as zeros; rows at or past
+// offsets[G] are not touched.
+#include "ref/expert_mlp.h"
+
+#include <cmath>
+#include <vector>
+
+#include "ref/grouped_gemm.h"
+
+namespace epx::ref {
+namespace {
+
+template <class Acc>
+Acc silu(Acc z) {
+  return z / (Acc(1) + std::exp(-z));
+}
+
+template <class Acc>
+Acc gelu_tanh(Acc z) {
+  const Acc c = static_cast<Acc>(0.7978845608028654);  // sqrt(2 / pi)
+  return Acc(0.5) * z * (Acc(1) + std::tanh(c * (z + static_cast<Acc>(0.044715) * z * z * z)));
+}
+
+template <class Acc>
+Acc act_value(Activation f, Acc a0, Acc a1) {
+  switch (f) {
+    case Activation::kSwiGLU: return silu(a0) * a1;
+    case Activation::kGeGLU: return gelu_tanh(a0) * a1;
+    case Activation::kGelu: return gelu_tanh(a0);
+    case Activation::kRelu2: {
+      const Acc r = a0 > Acc(0) ? a0 : Acc(0);
+      return r * r;
+    }
+  }
+  return Acc(0);
+}
+
+template <class Acc>
+struct ActGrad {
+  Acc act;     // unweighted activation
+  Acc d0, d1;  // its partial derivatives in a_0 and a_1 (d1 = 0 when not gated)
+};
+
+template <class Acc>
+ActGrad<Acc> act_grad(Activation f, Acc a0, Acc a1) {
+  switch (f) {
+    case Activation::kSwiGLU: {
+      const Acc s = Acc(1) / (Acc(1) + std::exp(-a0));
+      const Acc g = silu(a0);  // the forward's expression, so act_u matches it bit for bit
+      return {g * a1, a1 * s * (Acc(1) + a0 * (Acc(1) - s)), g};
+    }
+    case Activation::kGeGLU:
+    case Activation::kGelu: {
+      const Acc c = static_cast<Acc>(0.7978845608028654), k = static_cast<Acc>(0.044715);
+      const Acc t = std::tanh(c * (a0 + k * a0 * a0 * a0));
+      const Acc g = Acc(0.5) * a0 * (Acc(1) + t);
+      const Acc dg = Acc(0.5) * (Acc(1) + t) + Acc(0.5) * a0 * (Acc(1) - t * t) * c * (Acc(1) + 3 * k * a0 * a0);
+      if (f == Activation::kGelu) return {g, dg, Acc(0)};
+      return {g * a1, dg * a1, g};
+    }
+    case Activation::kRelu2: {
+      const Acc r = a0 > Acc(0) ? a0 : Acc(0);
+      return {r * r, 2 * r, Acc(0)};
+    }
+  }
+  return {Acc(0), Acc(0), Acc(0)};
+}
+
+bool wide(DType t) { return t == DType::kF64; }
+
+// Zeros on the padding rows [begin + rows, end) of a tensor with `width` elements per row.
+void zero_padding(const TensorRef& t, const GroupSpan& g, int64_t width) {
+  if (t.defined()) store_zeros(t, (g.begin + g.rows) * width, (g.end - g.begin - g.rows) * width);
+}
+
+template <class Acc>
+void forward_impl(const MlpConfig& c, const MlpTensors& t) {
+  const int64_t H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3), PF = P * F;
+  const bool bias = t.b_in.defined(), early = c.apply_weights_early, gated = P == 2;
+  const std::vector<GroupSpan> groups = read_groups("epx::expert_mlp_forward", t.offsets, t.rows, t.x.size(0));
+  std::vector<Acc> x(H), acc(PF), act(F), h(F), y(H), b_in(PF, Acc(0)), b_out(H, Acc(0));
+  for (size_t jj = 0; jj < groups.size(); ++jj) {
+    const GroupSpan& g = groups[jj];
+    const int64_t j = static_cast<int64_t>(jj);
+    if (g.rows > 0) {
+      const std::vector<Acc> w_in = load_matrix<Acc>(t.w_in, j * P * H * F, P * H, F, false);  // P blocks [H, F]
+      const std::vector<Acc> w_out = load_matrix<Acc>(t.w_out, j * F * H, F, H, false);
+      if (bias) {
+        load_row(t.b_in.data(), t.b_in.dtype(), j * PF, PF, b_in.data());
+        load_row(t.b_out.data(), t.b_out.dtype(), j * H, H, b_out.data());
+      }
+      for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
+        load_row(t.x.data(), t.x.dtype(), r * H, H, x.data());
+        for (int64_t p = 0; p < P; ++p) row_times_matrix(x.data(), H, w_in.data() + p * H * F, F, acc.data() + p * F);
+        if (bias)
+          for (int64_t i = 0; i < PF; ++i) acc[i] += b_in[i];
+        store_row(t.a.data(), t.a.dtype(), r * PF, PF, acc.data());
+        const Acc w_r = early ? static_cast<Acc>(load_as_double(t.row_weights.data(), t.row_weights.dtype(), r)) : Acc(1);
+        for (int64_t f = 0; f < F; ++f) {
+          act[f] = act_value(c.activation, acc[f], gated ? acc[F + f] : Acc(0));
+          if (early) act[f] *= w_r;
+        }
+        store_row(t.h.data(), t.h.dtype(), r * F, F, act.data());
+        load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());  // FC2 consumes the stored (rounded) h
+        row_times_matrix(h.data(), F, w_out.data(), H, y.data());
+        if (bias)
+          for (int64_t n = 0; n < H; ++n) y[n] += b_out[n];
+        store_row(t.y.data(), t.y.dtype(), r * H, H, y.data());
+      }
+    }
+    zero_padding(t.a, g, PF);
+    zero_padding(t.h, g, F);
+    zero_padding(t.y, g, H);
+  }
+}
+
+template <class Acc>
+void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
+  const int64_t H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3), PF = P * F;
+  const bool bias = t.b_in.defined(), early = c.apply_weights_early, gated = P == 2;
+  const std::vector<GroupSpan> groups = read_groups("epx::expert_mlp_backward", t.offsets, t.rows, t.x.size(0));
+  std::vector<Acc> x(H), a(PF), h(F), dy(H), dh(F), da(PF), dx(H);
+  std::vector<Acc> dw_in(P * H * F), db_in(PF), dw_out(F * H), db_out(H);
+  std::vector<Acc> w_in_t(PF * H);  // [(p, f), k] = w_in[j, p, k, f]: d_x reduces over (p, f)
+  for (size_t jj = 0; jj < groups.size(); ++jj) {
+    const GroupSpan& g = groups[jj];
+    const int64_t j = static_cast<int64_t>(jj);
+    std::fill(dw_in.begin(), dw_in.end(), Acc(0));
+    std::fill(db_in.begin(), db_in.end(), Acc(0));
+    std::fill(dw_out.begin(), dw_out.end(), Acc(0));
+    std::fill(db_out.begin(), db_out.end(), Acc(0));
+    if (g.rows > 0) {
+      for (int64_t p = 0; p < P; ++p) {
+        const std::vector<Acc> block = load_matrix<Acc>(t.w_in, (j * P + p) * H * F, H, F, true);  // [F, H]
+        std::copy(block.begin(), block.end(), w_in_t.begin() + p * F * H);
+      }
+      const std::vector<Acc> w_out_t = load_matrix<Acc>(t.w_out, j * F * H, F, H, true);  // [H, F]
+      for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
+        load_row(t.x.data(), t.x.dtype(), r * H, H, x.data());
+        load_row(t.a.data(), t.a.dtype(), r * PF, PF, a.data());
+        load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());
+        load_row(d.d_y.data(), d.d_y.dtype(), r * H, H, dy.data());
+        row_times_matrix(dy.data(), H, w_out_t.data(), F, dh.data());
+        const Acc w_r = early ? static_cast<Acc>(load_as_double(t.row_weights.data(), t.row_weights.dtype(), r)) : Acc(1);
+        Acc d_w_r = 0;
+        for (int64_t f = 0; f < F; ++f) {
+          const ActGrad<Acc> q = act_grad(c.activation, a[f], gated ? a[F + f] : Acc(0));
+          Acc d_act = dh[f];
+          if (early) {
+            d_w_r += dh[f] * q.act;
+            d_act *= w_r;
+          }
+          da[f] = d_act * q.d0;
+          if (gated) da[F + f] = d_act * q.d1;
+        }
+        if (early) store_from_double(d.d_row_weights.data(), d.d_row_weights.dtype(), r, static_cast<double>(d_w_r));
+        row_times_matrix(da.data(), PF, w_in_t.data(), H, dx.data());
+        store_row(d.d_x.data(), d.d_x.dtype(), r * H, H, dx.data());
+        for (int64_t f = 0; f < F; ++f) {
+          const Acc hf = h[f];
+          Acc* out = dw_out.data() + f * H;
+          for (int64_t n = 0; n < H; ++n) out[n] += hf * dy[n];
+        }
+        for (int64_t n = 0; n < H; ++n) db_out[n] += dy[n];
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t k = 0; k < H; ++k) {
+            const Acc xk = x[k];
+            const Acc* dap = da.data() + p * F;
+            Acc* out = dw_in.data() + (p * H + k) * F;
+            for (int64_t f = 0; f < F; ++f) out[f] += xk * dap[f];
+          }
+        for (int64_t i = 0; i < PF; ++i) db_in[i] += da[i];
+      }
+    }
+    store_row(d.d_w_in.data(), d.d_w_in.dtype(), j * P * H * F, P * H * F, dw_in.data());
+    store_row(d.d_w_out.data(), d.d_w_out.dtype(), j * F * H, F * H, dw_out.data());
+    if (bias) {
+      store_row(d.d_b_in.data(), d.d_b_in.dtype(), j * PF, PF, db_in.data());
+      store_row(d.d_b_out.data(), d.d_b_out.dtype(), j * H, H, db_out.data());
+    }
+    zero_padding(d.d_x, g, H);
+    if (early) zero_padding(d.d_row_weights, g, 1);
+  }
+}
+
+}  // namespace
+
+void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t) {
+  if (wide(t.x.dtype()))
+    forward_impl<double>(config, t);
+  else
+    forward_impl<float>(config, t);
+}
+
+void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g) {
+  if (wide(t.x.dtype()))
+    backward_impl<double>(config, t, g);
+  else
+    backward_impl<float>(config, t, g);
+}
+
+}  // namespace epx::ref
