@@ -103,6 +103,16 @@ void all_reduce_sum(Group& group, const TensorRef& buffer, Stream stream = {});
 void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& topk_weights,
                       const TensorRef& recv_x, const TensorRef& recv_weights, Stream stream = {});
 
+/// Quantized dispatch: x [T, H] fp8 (e4m3) and its per-row block scales x_scales [T, S] travel
+/// together, about half the bytes of bf16: S = H/128 fp32 scales (the 1x128 recipe) or H/32 e8m0
+/// scales (MXFP8 rowwise), see epx/quant.h. recv_scales [>= rows, S] lands beside recv_x in the same
+/// expert-major order; padding rows get zero payload and zero scale bytes. With align a multiple of
+/// 32 (MX) or 128, every expert segment is a whole number of scale blocks down the rows too, as a
+/// column-wise consumer (the wgrad GEMM) needs.
+void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& x_scales,
+                      const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
+                      const TensorRef& recv_weights, Stream stream = {});
+
 /// y [>= rows, H] expert outputs in recv_x's layout (padding rows are never read).
 /// row_weights: recv_weights from dispatch for a weighted sum, or undefined for a plain sum
 /// (weights already applied between FC1 and FC2). out [T, H] in y's dtype.

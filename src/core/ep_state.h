@@ -58,8 +58,10 @@ struct GroupState {
   virtual ~GroupState() = default;
   virtual void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights,
                        const PrepareOptions& options, Stream stream) = 0;
-  virtual void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& topk_weights,
-                                const TensorRef& recv_x, const TensorRef& recv_weights, Stream stream) = 0;
+  /// x_scales / recv_scales are undefined for an unquantized dispatch.
+  virtual void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales,
+                                const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
+                                const TensorRef& recv_weights, Stream stream) = 0;
   virtual void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights,
                                const TensorRef& out, Stream stream) = 0;
   virtual void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y,

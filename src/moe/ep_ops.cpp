@@ -79,6 +79,12 @@ Handle prepare(Group& group, const TensorRef& topk_idx, const TensorRef& topk_we
 
 void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& topk_weights,
                       const TensorRef& recv_x, const TensorRef& recv_weights, Stream stream) {
+  dispatch_forward(group, handle, x, TensorRef(), topk_weights, recv_x, TensorRef(), recv_weights, stream);
+}
+
+void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& x_scales,
+                      const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
+                      const TensorRef& recv_weights, Stream stream) {
   const char* fn = "epx::dispatch_forward";
   GroupState& g = group.state();
   HandleState& h = handle.state();
@@ -87,7 +93,24 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
           "microbatch (its backward still needs this one's routing)");
   const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
   check_tensor(fn, "x", x, {T, H}, kPayloadTypes);
-  check_payload_width(fn, "x", x, g.config);
+  const bool quantized = x_scales.defined() || recv_scales.defined();
+  if (quantized) {
+    require(x.dtype() == DType::kF8E4M3, fn, "x has dtype ", dtype_name(x.dtype()),
+            ", expected fp8_e4m3 when scales travel with it");
+    check_tensor(fn, "x_scales", x_scales, {T, -1}, {DType::kF32, DType::kE8M0});
+    const int64_t S = x_scales.size(1);
+    const int64_t block = x_scales.dtype() == DType::kF32 ? 128 : 32;
+    require(S == (H + block - 1) / block, fn, "x_scales has ", S, " columns, expected ", (H + block - 1) / block,
+            " (one ", dtype_name(x_scales.dtype()), " scale per ", block, " elements of a row of ", H, ")");
+    check_tensor(fn, "recv_scales", recv_scales, {-1, S}, {x_scales.dtype()});
+    check_min_rows(fn, "recv_scales", recv_scales, cap);
+    const size_t row_bytes = static_cast<size_t>(H) + static_cast<size_t>(S) * dtype_size(x_scales.dtype());
+    require(row_bytes <= static_cast<size_t>(H) * dtype_size(g.config.max_dtype), fn, "an fp8 row with its scales takes ",
+            row_bytes, " bytes, more than the ", H * dtype_size(g.config.max_dtype),
+            " bytes per row the group was sized for (max_dtype ", dtype_name(g.config.max_dtype), ")");
+  } else {
+    check_payload_width(fn, "x", x, g.config);
+  }
   const DType wt = weight_dtype(x.dtype());
   if (topk_weights.defined()) check_tensor(fn, "topk_weights", topk_weights, {T, K}, {wt});
   check_tensor(fn, "recv_x", recv_x, {-1, H}, {x.dtype()});
@@ -98,8 +121,9 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
     check_min_rows(fn, "recv_weights", recv_weights, cap);
   }
   check_all_on(fn, g.device,
-               {{"x", &x}, {"topk_weights", &topk_weights}, {"recv_x", &recv_x}, {"recv_weights", &recv_weights}});
-  g.dispatch_forward(h, x, topk_weights, recv_x, recv_weights, stream);
+               {{"x", &x}, {"x_scales", &x_scales}, {"topk_weights", &topk_weights}, {"recv_x", &recv_x},
+                {"recv_scales", &recv_scales}, {"recv_weights", &recv_weights}});
+  g.dispatch_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, stream);
   h.dispatched = true;
 }
 

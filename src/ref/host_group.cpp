@@ -173,12 +173,15 @@ class HostGroup final : public GroupState {
     require(topk_mismatch.empty(), fn, topk_mismatch);
   }
 
-  void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& topk_weights, const TensorRef& recv_x,
-                        const TensorRef& recv_weights, Stream) override {
+  void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales, const TensorRef& topk_weights,
+                        const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
+                        Stream) override {
     const char* fn = "epx::dispatch_forward";
     const int T = h.num_tokens, K = h.topk, R = size, Le = local_experts;
     const WindowLayout& L = world_->layout;
     const size_t row_bytes = static_cast<size_t>(config.hidden) * dtype_size(x.dtype());
+    // Quantized rows carry their scales right after the payload in the same window row.
+    const size_t scale_bytes = x_scales.defined() ? static_cast<size_t>(x_scales.size(1)) * dtype_size(x_scales.dtype()) : 0;
     const int32_t* routed = h.routed_experts.ptr<int32_t>();
     const int32_t* pos = h.pair_pos.ptr<int32_t>();
     const int32_t* slot = h.token_slot.ptr<int32_t>();
@@ -190,6 +193,9 @@ class HostGroup final : public GroupState {
         if (sl < 0) continue;
         char* win = world_->window(d);
         std::memcpy(win + L.row_offset(rank, sl), static_cast<const char*>(x.data()) + t * row_bytes, row_bytes);
+        if (scale_bytes)
+          std::memcpy(win + L.row_offset(rank, sl) + row_bytes, static_cast<const char*>(x_scales.data()) + t * scale_bytes,
+                      scale_bytes);
         RowMeta* meta = reinterpret_cast<RowMeta*>(win + L.meta_offset(rank, sl));
         for (int k = 0; k < K; ++k) {
           const int e = routed[t * K + k];
@@ -206,6 +212,7 @@ class HostGroup final : public GroupState {
                    recv_capacity_rows, " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
                    "nothing was written");
     zero_padding(h, recv_x, recv_weights);
+    if (scale_bytes) zero_padding(h, recv_scales, {});
     std::vector<int64_t> seg = source_segment_starts(h);
     int32_t* recv_row = h.recv_row.ptr<int32_t>();
     const char* win = world_->window(rank);
@@ -216,6 +223,9 @@ class HostGroup final : public GroupState {
           if (meta[k].local_expert < 0) continue;
           const int64_t row = seg[meta[k].local_expert * R + s] + meta[k].position;
           std::memcpy(static_cast<char*>(recv_x.data()) + row * row_bytes, win + L.row_offset(s, sl), row_bytes);
+          if (scale_bytes)
+            std::memcpy(static_cast<char*>(recv_scales.data()) + row * scale_bytes, win + L.row_offset(s, sl) + row_bytes,
+                        scale_bytes);
           if (recv_weights.defined()) store_from_double(recv_weights.data(), recv_weights.dtype(), row, meta[k].weight);
           recv_row[(static_cast<int64_t>(s) * h.max_tokens + sl) * K + k] = static_cast<int32_t>(row);
         }
@@ -316,8 +326,7 @@ class HostGroup final : public GroupState {
   }
 
   void zero_padding(const HandleState& h, const TensorRef& rows_out, const TensorRef& per_row) const {
-    const int64_t H = config.hidden;
-    const size_t row_bytes = H * dtype_size(rows_out.dtype());
+    const size_t row_bytes = static_cast<size_t>(rows_out.numel() / rows_out.size(0)) * dtype_size(rows_out.dtype());
     const int32_t* off = h.expert_offsets.ptr<int32_t>();
     const int32_t* rows = h.expert_rows.ptr<int32_t>();
     for (int j = 0; j < local_experts; ++j) {

@@ -17,6 +17,7 @@
 #include "epx/comm.h"
 #include "epx/error.h"
 #include "epx/layout.h"
+#include "epx/quant.h"
 
 namespace epx {
 namespace {
@@ -527,6 +528,112 @@ TEST(EpHostErrors, MissingPeerTimesOutNamingIt) {
     EXPECT_TRUE(has(e.what(), "never arrived")) << e.what();
     EXPECT_TRUE(has(e.what(), "rank(s) 2 never arrived")) << e.what();
   }
+}
+
+
+// Quantized dispatch: the fp8 payload and its scales travel together and land in the same expert-
+// major rows as a plain dispatch of the same tokens; padding rows carry zero payload and scales.
+TEST(EpHost, QuantizedDispatchCarriesScales) {
+  for (QuantRecipe recipe : {QuantRecipe::kFp8Block1x128, QuantRecipe::kMxfp8Rowwise}) {
+    SCOPED_TRACE(quant_recipe_name(recipe));
+    const int R = 2, E = 4, K = 2, H = 256, T = 9;
+    GroupConfig cfg;
+    cfg.num_experts = E;
+    cfg.hidden = H;
+    cfg.max_tokens_per_rank = T;
+    cfg.max_topk = K;
+    cfg.align = 32;
+    auto groups = Group::create_simulated(R, cfg);
+    const int64_t cap = groups[0].recv_capacity_rows();
+    const Shape ss = quant_scale_shape(recipe, T, H), rs = quant_scale_shape(recipe, cap, H);
+    const DType sdt = quant_scale_dtype(recipe);
+    std::vector<Tensor> q(R), sc(R), recv_plain(R), recv_q(R), recv_s(R);
+    std::vector<std::vector<int32_t>> ids_of(R);
+    run_ranks(groups, [&](Group& g) {
+      const int r = g.rank();
+      std::mt19937 rng(40 + r);
+      Scenario sc_ids;
+      sc_ids.ranks = R;
+      sc_ids.experts = E;
+      sc_ids.topk = K;
+      std::vector<int64_t> ids = make_ids(sc_ids, r, T, rng);
+      ids_of[r].assign(ids.begin(), ids.end());
+      Tensor idx = Tensor::empty({T, K}, DType::kI64);
+      std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+      Tensor x = random_rows(T, H, DType::kBF16, rng);
+      q[r] = Tensor::empty({T, H}, DType::kF8E4M3);
+      sc[r] = Tensor::empty(ss, sdt);
+      quantize(recipe, x, q[r], sc[r]);
+      recv_plain[r] = Tensor::full({cap, H}, DType::kF8E4M3, 1.0);
+      recv_q[r] = Tensor::full({cap, H}, DType::kF8E4M3, 3.0);
+      recv_s[r] = Tensor::full(rs, sdt, 8.0);
+      Handle plain = prepare(g, idx, {});
+      dispatch_forward(g, plain, q[r], {}, recv_plain[r], {});
+      Handle quant = prepare(g, idx, {});
+      dispatch_forward(g, quant, q[r], sc[r], {}, recv_q[r], recv_s[r], {});
+      const int64_t rows = quant.num_recv_rows_host();
+      const std::vector<int32_t> off = quant.expert_offsets_host();
+      std::vector<char> is_pad(rows, 1);
+      const Tensor& er = quant.state().expert_rows;
+      for (int j = 0; j < g.local_experts(); ++j)
+        for (int64_t i = off[j]; i < off[j] + er.ptr<int32_t>()[j]; ++i) is_pad[i] = 0;
+      const int64_t S = ss[1];
+      for (int64_t row = 0; row < rows; ++row) {
+        ASSERT_TRUE(same_bytes(recv_q[r], row, recv_plain[r], row, H)) << "payload row " << row;
+        for (int64_t j = 0; j < S; ++j) {
+          const double v = load_as_double(recv_s[r].data(), sdt, row * S + j);
+          if (is_pad[row]) ASSERT_EQ(static_cast<const uint8_t*>(recv_s[r].data())[row * S * dtype_size(sdt) + j * dtype_size(sdt)], 0) << "padding scale";
+          else ASSERT_TRUE(v > 0 && std::isfinite(v)) << "row " << row << " scale " << j;
+        }
+      }
+    });
+    // The scales of every received row are the scales of the token it holds: dequantizing a
+    // received row gives exactly the dequantized source token the oracle layout puts there.
+    std::vector<RankRouting> routing(R);
+    std::vector<Tensor> src(R);
+    for (int s = 0; s < R; ++s) {
+      routing[s] = RankRouting{T, K, ids_of[s]};
+      src[s] = Tensor::empty({T, H}, DType::kF32);
+      dequantize(recipe, q[s], sc[s], src[s]);
+    }
+    for (int r = 0; r < R; ++r) {
+      Tensor deq = Tensor::empty({cap, H}, DType::kF32);
+      dequantize(recipe, recv_q[r], recv_s[r], deq);
+      const ExpertMajorLayout L = testing::oracle_layout(routing, E, r, cfg.align);
+      for (int64_t row = 0; row < L.offsets.back(); ++row) {
+        const int s = L.src_rank[row], t = L.src_token[row];
+        for (int64_t i = 0; i < H; ++i)
+          ASSERT_EQ(deq.ptr<float>()[row * H + i], s < 0 ? 0.0f : src[s].ptr<float>()[t * H + i])
+              << "rank " << r << " row " << row << " col " << i;
+      }
+    }
+  }
+}
+
+TEST(EpHostErrors, QuantizedDispatchArguments) {
+  GroupConfig cfg = small_config();
+  cfg.hidden = 256;
+  auto groups = Group::create_simulated(1, cfg);
+  Group& g = groups[0];
+  Tensor idx = Tensor::zeros({2, 1}, DType::kI32);
+  const int64_t cap = g.recv_capacity_rows();
+  Tensor q = Tensor::zeros({2, 256}, DType::kF8E4M3), rq = Tensor::zeros({cap, 256}, DType::kF8E4M3);
+  Tensor s_bad = Tensor::zeros({2, 3}, DType::kF32), rs = Tensor::zeros({cap, 2}, DType::kF32);
+  Handle h = prepare(g, idx, {});
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(g, h, q, s_bad, {}, rq, rs, {}); }),
+                  "x_scales has 3 columns, expected 2 (one fp32 scale per 128 elements of a row of 256)"));
+  Tensor xb = Tensor::zeros({2, 256}, DType::kBF16), rb = Tensor::zeros({cap, 256}, DType::kBF16);
+  Tensor s2 = Tensor::zeros({2, 2}, DType::kF32);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(g, h, xb, s2, {}, rb, rs, {}); }),
+                  "x has dtype bf16, expected fp8_e4m3 when scales travel with it"));
+  GroupConfig narrow = cfg;
+  narrow.max_dtype = DType::kF8E4M3;
+  auto ng = Group::create_simulated(1, narrow);
+  Handle h2 = prepare(ng[0], idx, {});
+  Tensor rq2 = Tensor::zeros({ng[0].recv_capacity_rows(), 256}, DType::kF8E4M3);
+  Tensor rs2 = Tensor::zeros({ng[0].recv_capacity_rows(), 2}, DType::kF32);
+  EXPECT_TRUE(has(error_of([&] { dispatch_forward(ng[0], h2, q, s2, {}, rq2, rs2, {}); }),
+                  "an fp8 row with its scales takes 264 bytes, more than the 256 bytes per row"));
 }
 
 TEST(EpHost, AllReduceSumsInRankOrder) {

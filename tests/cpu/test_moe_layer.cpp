@@ -1,0 +1,358 @@
+// The MoE layer on the host backend: whole-layer gradients against central finite differences in
+// fp64 for every option, R simulated ranks against one rank, interleaved microbatches, bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/random.h"
+#include "epx/comm.h"
+#include "epx/error.h"
+#include "epx/moe.h"
+#include "epx/presets.h"
+
+namespace epx {
+namespace {
+
+struct Variant {
+  std::string name;
+  std::function<void(MoEConfig&)> apply;
+};
+
+MoEConfig base_config(DType dt) {
+  MoEConfig c = moe_config(find_preset("tiny"), dt);
+  c.router.aux_loss_coeff = 0.3f;  // large enough that the aux path shows in the gradient
+  c.router.z_loss_coeff = 0.2f;
+  return c;
+}
+
+GroupConfig group_for(const MoEConfig& c, int64_t max_tokens) {
+  GroupConfig g;
+  g.num_experts = c.router.num_experts;
+  g.hidden = c.hidden;
+  g.max_tokens_per_rank = static_cast<int>(max_tokens);
+  g.max_topk = c.router.topk;
+  g.max_dtype = c.dtype;
+  g.align = 4;
+  g.timeout_s = 30;
+  return g;
+}
+
+Tensor normal(Shape s, DType dt, uint64_t seed, uint64_t stream, double scale = 1.0) {
+  Tensor t = Tensor::empty(s, dt);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data(), dt, i, scale * detail::counter_normal(seed, stream, i));
+  return t;
+}
+
+// One R-rank layer plus its inputs; loss(L) = sum_r <c_r, out_r> + aux + z.
+struct Rig {
+  MoEConfig config;
+  int ranks;
+  int64_t tokens;
+  std::vector<Group> groups;
+  std::vector<std::unique_ptr<MoELayer>> layers;
+  std::vector<Tensor> x, c;
+
+  Rig(const MoEConfig& cfg, int R, int64_t T, uint64_t seed) : config(cfg), ranks(R), tokens(T) {
+    groups = Group::create_simulated(R, group_for(cfg, T));
+    for (int r = 0; r < R; ++r) {
+      layers.push_back(std::make_unique<MoELayer>(groups[r], cfg));
+      layers[r]->init_params(seed, 0.5);
+      if (cfg.router.use_expert_bias) {
+        Tensor& b = layers[r]->params().expert_bias;
+        for (int64_t e = 0; e < b.numel(); ++e) b.ptr<float>()[e] = 0.05f * static_cast<float>((e * 7) % 5) - 0.1f;
+      }
+      x.push_back(normal({T, cfg.hidden}, cfg.dtype, seed, 50 + r));
+      c.push_back(normal({T, cfg.hidden}, cfg.dtype, seed, 80 + r));
+    }
+  }
+
+  // Forward on every rank; returns the loss and, with `backward`, fills d_x.
+  double run(bool backward, std::vector<Tensor>* d_x = nullptr, std::vector<std::vector<int32_t>>* routing = nullptr) {
+    std::vector<double> partial(ranks), aux(ranks), z(ranks);
+    if (d_x) d_x->assign(ranks, Tensor());
+    if (routing) routing->assign(ranks, {});
+    run_ranks(groups, [&](Group& g) {
+      const int r = g.rank();
+      Tensor out = Tensor::zeros({tokens, config.hidden}, config.dtype);
+      MoEContext ctx = layers[r]->forward(x[r], out);
+      double s = 0;
+      for (int64_t i = 0; i < out.numel(); ++i) s += out.item(i) * c[r].item(i);
+      partial[r] = s;
+      aux[r] = ctx.losses().item(0);
+      z[r] = ctx.losses().item(1);
+      if (routing) {
+        const TensorRef& re = ctx.handle().routed_experts();
+        (*routing)[r].assign(re.ptr<int32_t>(), re.ptr<int32_t>() + re.numel());
+      }
+      if (backward) {
+        (*d_x)[r] = Tensor::zeros({tokens, config.hidden}, config.dtype);
+        layers[r]->backward(ctx, c[r], (*d_x)[r]);
+      }
+    });
+    // The global-batch aux loss and the z loss are one number for the whole group; the sequence
+    // aux loss belongs to each rank's own sequences, so the objective sums it over ranks.
+    const bool per_rank_aux = config.router.aux_loss == AuxLossType::kSequence;
+    double loss = z[0] + (per_rank_aux ? 0.0 : aux[0]);
+    for (int r = 0; r < ranks; ++r) {
+      if (per_rank_aux) loss += aux[r];
+      else EXPECT_EQ(aux[r], aux[0]) << "every rank must see the same global aux loss";
+      EXPECT_EQ(z[r], z[0]);
+    }
+    for (double p : partial) loss += p;
+    return loss;
+  }
+};
+
+// Parameter tensors of a layer, by name, with their gradients.
+std::vector<std::pair<std::string, std::pair<Tensor*, const Tensor*>>> param_list(MoELayer& L) {
+  MoEParams& p = L.params();
+  const MoEParams& g = L.grads();
+  return {{"gate", {&p.gate, &g.gate}},           {"w_in", {&p.w_in, &g.w_in}},
+          {"b_in", {&p.b_in, &g.b_in}},           {"w_out", {&p.w_out, &g.w_out}},
+          {"b_out", {&p.b_out, &g.b_out}},        {"shared_w_in", {&p.shared_w_in, &g.shared_w_in}},
+          {"shared_w_out", {&p.shared_w_out, &g.shared_w_out}}};
+}
+
+void check_gradients(const MoEConfig& cfg, int R, int64_t T, uint64_t seed) {
+  Rig rig(cfg, R, T, seed);
+  std::vector<Tensor> d_x;
+  std::vector<std::vector<int32_t>> routing0;
+  rig.run(true, &d_x, &routing0);
+  const double eps = 1e-6;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  int checked = 0;
+
+  auto central = [&](const std::function<void(double)>& perturb) {
+    std::vector<std::vector<int32_t>> routing;
+    perturb(+eps);
+    const double lp = rig.run(false, nullptr, &routing);
+    EXPECT_EQ(routing, routing0) << "the perturbation changed the routing: choose other inputs";
+    perturb(-2 * eps);
+    const double lm = rig.run(false, nullptr, &routing);
+    EXPECT_EQ(routing, routing0) << "the perturbation changed the routing: choose other inputs";
+    perturb(+eps);
+    return (lp - lm) / (2 * eps);
+  };
+  auto expect_close = [&](double analytic, double numeric, const std::string& what) {
+    EXPECT_NEAR(analytic, numeric, 1e-6 + 1e-5 * std::fabs(numeric)) << what;
+    ++checked;
+  };
+
+  // Inputs of each rank.
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < 3; ++n) {
+      const int64_t i = std::uniform_int_distribution<int64_t>(0, rig.x[r].numel() - 1)(rng);
+      double* v = rig.x[r].ptr<double>() + i;
+      const double num = central([&](double d) { *v += d; });
+      expect_close(d_x[r].ptr<double>()[i], num, "d_x rank " + std::to_string(r) + " element " + std::to_string(i));
+    }
+
+  // Parameters: replicated ones (gate, shared) are perturbed on every rank at once and their
+  // gradient is the sum over ranks; expert tensors belong to one rank.
+  const auto names = param_list(*rig.layers[0]);
+  for (size_t k = 0; k < names.size(); ++k) {
+    const std::string& name = names[k].first;
+    if (!names[k].second.first->defined()) continue;
+    const bool replicated = name == "gate" || name.rfind("shared", 0) == 0;
+    for (int n = 0; n < 3; ++n) {
+      const int owner = std::uniform_int_distribution<int>(0, R - 1)(rng);
+      const int64_t i = std::uniform_int_distribution<int64_t>(0, names[k].second.first->numel() - 1)(rng);
+      const double num = central([&](double d) {
+        for (int r = 0; r < R; ++r)
+          if (replicated || r == owner) param_list(*rig.layers[r])[k].second.first->ptr<double>()[i] += d;
+      });
+      double analytic = 0;
+      for (int r = 0; r < R; ++r)
+        if (replicated || r == owner) analytic += param_list(*rig.layers[r])[k].second.second->ptr<double>()[i];
+      expect_close(analytic, num, name + "[" + std::to_string(i) + "] (rank " + std::to_string(owner) + ")");
+    }
+  }
+  EXPECT_GT(checked, 3 * R + 6) << "the check must cover inputs and parameters";
+}
+
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = {
+      {"deepseek_sigmoid_grouped_bias_shared", [](MoEConfig&) {}},
+      {"softmax_plain", [](MoEConfig& c) {
+         c.router.score_function = ScoreFunction::kSoftmax;
+         c.router.num_groups = 1;
+         c.router.group_topk = 1;
+         c.router.use_expert_bias = false;
+         c.shared_ffn_hidden = 0;
+       }},
+      {"softmax_after_topk_gelu_biases", [](MoEConfig& c) {
+         c.router.score_function = ScoreFunction::kSoftmaxAfterTopk;
+         c.activation = Activation::kGelu;
+         c.expert_bias_terms = true;
+       }},
+      {"weights_early_geglu", [](MoEConfig& c) {
+         c.apply_weights_early = true;
+         c.activation = Activation::kGeGLU;
+       }},
+      {"relu2_sequence_aux", [](MoEConfig& c) {
+         c.activation = Activation::kRelu2;
+         c.router.aux_loss = AuxLossType::kSequence;
+         c.router.seq_len = 4;
+       }},
+      {"capacity_by_position", [](MoEConfig& c) {
+         c.capacity.capacity_factor = 1.0f;
+         c.capacity.drop_policy = DropPolicy::kByPosition;
+       }},
+      {"capacity_by_probability_early", [](MoEConfig& c) {
+         c.capacity.capacity_factor = 1.0f;
+         c.capacity.drop_policy = DropPolicy::kByProbability;
+         c.apply_weights_early = true;
+       }},
+  };
+  return v;
+}
+
+TEST(MoELayerGrad, FiniteDifferencesFp64EveryOption) {
+  for (const Variant& v : variants())
+    for (int R : {1, 2}) {
+      SCOPED_TRACE(v.name + " R=" + std::to_string(R));
+      MoEConfig c = base_config(DType::kF64);
+      v.apply(c);
+      check_gradients(c, R, 8, 11 + R);
+    }
+}
+
+// R simulated ranks against one rank holding every expert and every token (fp32).
+TEST(MoELayer, RanksMatchSingleRank) {
+  for (const Variant& v : variants()) {
+    if (v.name == "relu2_sequence_aux") continue;  // sequence statistics are rank-local by design
+    if (v.name.rfind("capacity", 0) == 0) continue;  // capacity is per source rank: T differs
+    SCOPED_TRACE(v.name);
+    MoEConfig c = base_config(DType::kF32);
+    v.apply(c);
+    const int R = 4;
+    const int64_t T = 6;
+    Rig many(c, R, T, 5);
+    Rig one(c, 1, T * R, 5);
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < T * c.hidden; ++i) {
+        one.x[0].ptr<float>()[r * T * c.hidden + i] = many.x[r].ptr<float>()[i];
+        one.c[0].ptr<float>()[r * T * c.hidden + i] = many.c[r].ptr<float>()[i];
+      }
+    if (c.router.use_expert_bias)
+      for (int r = 0; r < R; ++r) copy(one.layers[0]->params().expert_bias, many.layers[r]->params().expert_bias);
+    std::vector<Tensor> dx_many, dx_one;
+    const double l_many = many.run(true, &dx_many), l_one = one.run(true, &dx_one);
+    EXPECT_NEAR(l_many, l_one, 1e-4 * (1 + std::fabs(l_one)));
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < T * c.hidden; ++i)
+        ASSERT_NEAR(dx_many[r].ptr<float>()[i], dx_one[0].ptr<float>()[r * T * c.hidden + i], 1e-5) << "d_x rank " << r;
+    // Expert gradients: rank r's local experts are the slice of the single rank's.
+    const int64_t Le = c.router.num_experts / R;
+    for (int r = 0; r < R; ++r)
+      for (auto which : {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::b_in}) {
+        const Tensor& gm = many.layers[r]->grads().*which;
+        if (!gm.defined()) continue;
+        const Tensor& g1 = one.layers[0]->grads().*which;
+        const int64_t per = gm.numel() / Le;
+        for (int64_t i = 0; i < gm.numel(); ++i)
+          ASSERT_NEAR(gm.ptr<float>()[i], g1.ptr<float>()[r * Le * per + i], 1e-5) << "expert grad rank " << r;
+      }
+    // Replicated parameters: the single rank's gradient is the sum over ranks.
+    for (auto which : {&MoEParams::gate, &MoEParams::shared_w_in, &MoEParams::shared_w_out}) {
+      const Tensor& g1 = one.layers[0]->grads().*which;
+      if (!g1.defined()) continue;
+      for (int64_t i = 0; i < g1.numel(); ++i) {
+        double s = 0;
+        for (int r = 0; r < R; ++r) s += (many.layers[r]->grads().*which).ptr<float>()[i];
+        ASSERT_NEAR(s, g1.ptr<float>()[i], 1e-5);
+      }
+    }
+  }
+}
+
+// Two microbatches in flight on one layer (forward A, forward B, backward B, backward A) give the
+// same gradients as running them one after the other: each context owns its routing.
+TEST(MoELayer, InterleavedMicrobatchesKeepTheirOwnRouting) {
+  MoEConfig c = base_config(DType::kF32);
+  const int R = 2;
+  const int64_t T = 6;
+  Rig rig(c, R, T, 9);
+  std::vector<Tensor> xb(R), cb(R);
+  for (int r = 0; r < R; ++r) {
+    xb[r] = normal({T, c.hidden}, c.dtype, 123, r);
+    cb[r] = normal({T, c.hidden}, c.dtype, 321, r);
+  }
+  auto grads_of = [&](int r) {
+    std::vector<float> v;
+    for (auto which : {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate}) {
+      const Tensor& g = rig.layers[r]->grads().*which;
+      v.insert(v.end(), g.ptr<float>(), g.ptr<float>() + g.numel());
+    }
+    return v;
+  };
+  std::vector<std::vector<float>> seq_a(R), seq_b(R), inter_a(R), inter_b(R);
+  run_ranks(rig.groups, [&](Group& g) {
+    const int r = g.rank();
+    MoELayer& L = *rig.layers[r];
+    Tensor out = Tensor::zeros({T, c.hidden}, c.dtype), dx = Tensor::zeros({T, c.hidden}, c.dtype);
+    MoEContext a = L.forward(rig.x[r], out);
+    L.backward(a, rig.c[r], dx);
+    seq_a[r] = grads_of(r);
+    MoEContext b = L.forward(xb[r], out);
+    L.backward(b, cb[r], dx);
+    seq_b[r] = grads_of(r);
+    MoEContext a2 = L.forward(rig.x[r], out);
+    MoEContext b2 = L.forward(xb[r], out);
+    L.backward(b2, cb[r], dx);
+    inter_b[r] = grads_of(r);
+    L.backward(a2, rig.c[r], dx);
+    inter_a[r] = grads_of(r);
+  });
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(seq_a[r], inter_a[r]) << "rank " << r;
+    EXPECT_EQ(seq_b[r], inter_b[r]) << "rank " << r;
+    EXPECT_NE(seq_a[r], seq_b[r]) << "the two microbatches must differ for the test to mean anything";
+  }
+}
+
+TEST(MoELayerErrors, BadInputs) {
+  MoEConfig c = base_config(DType::kF32);
+  auto groups = Group::create_simulated(1, group_for(c, 8));
+  auto what = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  MoEConfig wrong = c;
+  wrong.hidden = c.hidden + 1;
+  EXPECT_NE(what([&] { MoELayer L(groups[0], wrong); }).find("config.hidden is 9, the group was created for hidden = 8"),
+            std::string::npos);
+  wrong = c;
+  wrong.router.num_experts = 16;
+  EXPECT_NE(what([&] { MoELayer L(groups[0], wrong); }).find("the group was created for 8 experts"), std::string::npos);
+  MoELayer L(groups[0], c);
+  L.init_params(1);
+  Tensor x = Tensor::zeros({9, c.hidden}, c.dtype), out = Tensor::zeros({9, c.hidden}, c.dtype);
+  EXPECT_NE(what([&] { L.forward(x, out); }).find("max_tokens_per_rank = 8"), std::string::npos);
+  Tensor xb = Tensor::zeros({4, c.hidden}, DType::kBF16), o4 = Tensor::zeros({4, c.hidden}, c.dtype);
+  EXPECT_NE(what([&] { L.forward(xb, o4); }).find("x has dtype bf16, expected fp32"), std::string::npos);
+  MoEContext empty;
+  EXPECT_NE(what([&] { L.backward(empty, o4, o4); }).find("used before MoELayer::forward()"), std::string::npos);
+  Tensor x4 = normal({4, c.hidden}, c.dtype, 1, 1);
+  MoEContext ctx = L.forward(x4, o4);
+  Tensor d3 = Tensor::zeros({3, c.hidden}, c.dtype);
+  EXPECT_NE(what([&] { L.backward(ctx, d3, o4); }).find("d_out has shape [3, 8], expected [4, 8]"), std::string::npos);
+  MoEConfig biased = c;
+  biased.expert_bias_terms = true;
+  MoELayer B(groups[0], biased);
+  B.params().b_out = Tensor();  // a partial bias set must fail early and clearly
+  EXPECT_NE(what([&] { B.forward(x4, o4); }).find("b_out"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace epx
