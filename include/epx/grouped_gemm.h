@@ -61,9 +61,23 @@ enum class Activation : uint8_t {
 const char* activation_name(Activation a);
 inline bool is_gated(Activation a) { return a == Activation::kSwiGLU || a == Activation::kGeGLU; }
 
+/// Forward precision of the two expert GEMMs. Backward always runs in high precision: from the
+/// saved a and h (not quantized), the unquantized weights, and x as the forward saw it.
+enum class MlpPrecision : uint8_t {
+  kHigh,      // operands in the tensors' dtype
+  kFp8Block,  // DeepSeek-V3 recipe: activations 1x128, weights 128x128 blocks, e4m3, fp32 scales
+  kMxfp8,     // OCP MXFP8: 32-element blocks along the contraction dim, e8m0 scales rounded up (kCeil)
+};
+const char* mlp_precision_name(MlpPrecision p);
+
 struct MlpConfig {
   Activation activation = Activation::kSwiGLU;
   bool apply_weights_early = false;  // multiply h by the row's topk weight between FC1 and FC2
+  /// With kFp8Block / kMxfp8 each GEMM sees its inputs quantized (x rows and h rows with the
+  /// activation recipe, w_in[j, p] and w_out[j] with the weight recipe, blocks along the
+  /// contraction dim), i.e. an FP8 GEMM with fp32 accumulation. x may arrive already quantized
+  /// (fp8_e4m3 with x_scales, as a quantized dispatch delivers it); otherwise it is quantized here.
+  MlpPrecision precision = MlpPrecision::kHigh;
 };
 
 /// Tensors of the expert FFN. Forward reads x, offsets, rows, row_weights (early only), the
@@ -72,7 +86,7 @@ struct MlpConfig {
 /// only tell it whether bias gradients are expected; y is not read (it may be left undefined).
 /// row_weights is given exactly when apply_weights_early.
 struct MlpTensors {
-  TensorRef x;            // [rows, H]
+  TensorRef x;            // [rows, H] (fp8_e4m3 with x_scales under an FP8 precision)
   TensorRef offsets;      // [G+1] int32
   TensorRef rows;         // [G] int32
   TensorRef row_weights;  // [rows] fp32 (fp64 with fp64 data), apply_weights_early only
@@ -83,6 +97,7 @@ struct MlpTensors {
   TensorRef a;            // [rows, P, F] saved
   TensorRef h;            // [rows, F] saved
   TensorRef y;            // [rows, H]
+  TensorRef x_scales;     // [rows, S] with an fp8 x: fp32 S = ceil(H/128) (kFp8Block), e8m0 S = ceil(H/32) (kMxfp8)
 };
 
 /// Gradients of the expert FFN, all OVERWRITTEN. d_y and d_x have x's dtype; d_x and d_row_weights

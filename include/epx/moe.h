@@ -36,6 +36,9 @@ struct MoEConfig {
   PrepareOptions capacity;         // dropless by default
   int64_t shared_ffn_hidden = 0;   // hidden size of the shared expert FFN; 0 = no shared experts
   DType dtype = DType::kBF16;      // parameters and activations (fp64 for gradient checks)
+  /// Forward precision of the expert GEMMs. With an FP8 precision the tokens are quantized once
+  /// before dispatch and travel as fp8 + scales (about half the bytes); backward stays in `dtype`.
+  MlpPrecision precision = MlpPrecision::kHigh;
 
   void validate(const char* fn, const Group& group) const;
   int projections() const { return is_gated(activation) ? 2 : 1; }

@@ -24,6 +24,15 @@ namespace epx {
 using detail::check_device;
 using detail::check_tensor;
 
+const char* mlp_precision_name(MlpPrecision p) {
+  switch (p) {
+    case MlpPrecision::kHigh: return "high";
+    case MlpPrecision::kFp8Block: return "fp8_block";
+    case MlpPrecision::kMxfp8: return "mxfp8";
+  }
+  return "unknown";
+}
+
 const char* activation_name(Activation a) {
   switch (a) {
     case Activation::kSwiGLU: return "swiglu";
@@ -83,11 +92,32 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
   const int act = static_cast<int>(c.activation);
   require(act >= 0 && act <= static_cast<int>(Activation::kRelu2), fn, "config.activation is ", act,
           ", expected swiglu, geglu, gelu or relu2");
+  const int prec = static_cast<int>(c.precision);
+  require(prec >= 0 && prec <= static_cast<int>(MlpPrecision::kMxfp8), fn, "config.precision is ", prec,
+          ", expected high, fp8_block or mxfp8");
   MlpDims d;
-  check_tensor(fn, "x", t.x, {-1, -1}, kDataTypes);
-  const DType dt = t.x.dtype();
+  // An already quantized x (fp8 + scales from a quantized dispatch) leaves the data dtype to w_in.
+  const bool x_fp8 = t.x.defined() && t.x.dtype() == DType::kF8E4M3;
+  if (x_fp8) {
+    require(c.precision != MlpPrecision::kHigh, fn,
+            "x has dtype fp8_e4m3 but config.precision is high (an fp8 x needs precision fp8_block or mxfp8)");
+    check_tensor(fn, "x", t.x, {-1, -1}, {DType::kF8E4M3});
+  } else {
+    check_tensor(fn, "x", t.x, {-1, -1}, kDataTypes);
+    require(!t.x_scales.defined(), fn, "x_scales is given but x has dtype ", dtype_name(t.x.dtype()),
+            " (scales go with an fp8_e4m3 x)");
+  }
   d.R = t.x.size(0);
   d.H = t.x.size(1);
+  if (x_fp8) {
+    const bool block = c.precision == MlpPrecision::kFp8Block;
+    const int64_t S = block ? (d.H + 127) / 128 : (d.H + 31) / 32;
+    check_tensor(fn, "x_scales", t.x_scales, {d.R, S}, {block ? DType::kF32 : DType::kE8M0});
+    check_tensor(fn, "w_in", t.w_in, {-1, -1, d.H, -1}, {DType::kBF16, DType::kF16, DType::kF32});
+  }
+  const DType dt = x_fp8 ? t.w_in.dtype() : t.x.dtype();
+  require(c.precision == MlpPrecision::kHigh || dt != DType::kF64, fn,
+          "config.precision is ", mlp_precision_name(c.precision), ", which needs bf16, fp16 or fp32 data, not fp64");
   d.P = is_gated(c.activation) ? 2 : 1;
   d.G = check_layout(fn, t.offsets, t.rows);
   check_tensor(fn, "w_in", t.w_in, {d.G, -1, d.H, -1}, {dt});
@@ -121,7 +151,7 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
 void check_mlp_devices(const char* fn, const MlpTensors& t, const MlpGrads* g) {
   const Device dev = t.x.device();
   check_all_on(fn, dev,
-               {{"offsets", &t.offsets}, {"rows", &t.rows}, {"row_weights", &t.row_weights}, {"w_in", &t.w_in},
+               {{"x_scales", &t.x_scales}, {"offsets", &t.offsets}, {"rows", &t.rows}, {"row_weights", &t.row_weights}, {"w_in", &t.w_in},
                 {"b_in", &t.b_in}, {"w_out", &t.w_out}, {"b_out", &t.b_out}, {"a", &t.a}, {"h", &t.h}, {"y", &t.y}});
   if (g)
     check_all_on(fn, dev,
@@ -195,7 +225,7 @@ void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef
 void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream stream) {
   const char* fn = "epx::expert_mlp_forward";
   const MlpDims d = check_mlp_tensors(fn, config, t);
-  check_tensor(fn, "y", t.y, {d.R, d.H}, {t.x.dtype()});
+  check_tensor(fn, "y", t.y, {d.R, d.H}, {t.w_out.dtype()});
   check_mlp_devices(fn, t, nullptr);
   ref::expert_mlp_forward(config, t);
 }
@@ -203,7 +233,7 @@ void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream str
 void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g, Stream stream) {
   const char* fn = "epx::expert_mlp_backward";
   const MlpDims d = check_mlp_tensors(fn, config, t);
-  const DType dt = t.x.dtype(), wdt = t.w_in.dtype();
+  const DType dt = t.w_out.dtype(), wdt = t.w_in.dtype();
   if (t.y.defined()) check_tensor(fn, "y", t.y, {d.R, d.H}, {dt});  // not read; a mix-up is still worth a message
   check_tensor(fn, "d_y", g.d_y, {d.R, d.H}, {dt});
   check_tensor(fn, "d_x", g.d_x, {d.R, d.H}, {dt});

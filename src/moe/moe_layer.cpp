@@ -17,6 +17,7 @@
 #include "core/check.h"
 #include "core/random.h"
 #include "epx/error.h"
+#include "epx/quant.h"
 #include "moe/elementwise.h"
 
 namespace epx {
@@ -30,7 +31,7 @@ struct MoEContext::State {
   Tensor logits, topk_idx, topk_weights, stats_buffer, losses;
   RouterStats stats;
   Handle handle;
-  Tensor recv_x, recv_weights, a, h, y;
+  Tensor x_q, x_scales, recv_x, recv_scales, recv_weights, a, h, y;
   Tensor shared_offsets, shared_rows, shared_a, shared_h, shared_y;
   bool used_by_backward = false;
 };
@@ -88,6 +89,8 @@ void MoEConfig::validate(const char* fn, const Group& group) const {
   require(dtype_size(dtype) <= dtype_size(g.max_dtype), fn, "config.dtype is ", dtype_name(dtype),
           ", wider than the group's max_dtype ", dtype_name(g.max_dtype));
   require(shared_ffn_hidden >= 0, fn, "config.shared_ffn_hidden is ", shared_ffn_hidden, ", expected >= 0");
+  require(precision == MlpPrecision::kHigh || dtype != DType::kF64, fn, "config.precision is ",
+          mlp_precision_name(precision), ", which needs a bf16, fp16 or fp32 layer, not fp64");
 }
 
 MoELayer::MoELayer(Group& group, const MoEConfig& config) : group_(group), config_(config) {
@@ -176,16 +179,30 @@ MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream st
 
   // Routed experts.
   const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
-  s.recv_x = Tensor::empty({cap, H}, c.dtype, dev);
   s.recv_weights = Tensor::empty({cap}, gt, dev);
-  dispatch_forward(group_, s.handle, x, s.topk_weights, s.recv_x, s.recv_weights, stream);
+  if (c.precision == MlpPrecision::kHigh) {
+    s.recv_x = Tensor::empty({cap, H}, c.dtype, dev);
+    dispatch_forward(group_, s.handle, x, s.topk_weights, s.recv_x, s.recv_weights, stream);
+  } else {
+    // Quantize once at the source; fp8 rows and their scales travel and feed the FP8 GEMM directly.
+    const QuantRecipe rr = c.precision == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
+    s.x_q = Tensor::empty({T, H}, DType::kF8E4M3, dev);
+    s.x_scales = Tensor::empty(quant_scale_shape(rr, T, H), quant_scale_dtype(rr), dev);
+    QuantOptions qo;
+    qo.mx_rounding = E8M0Rounding::kCeil;  // as the expert FFN quantizes (see MlpPrecision)
+    quantize(rr, x, s.x_q, s.x_scales, qo, stream);
+    s.recv_x = Tensor::empty({cap, H}, DType::kF8E4M3, dev);
+    s.recv_scales = Tensor::empty(quant_scale_shape(rr, cap, H), quant_scale_dtype(rr), dev);
+    dispatch_forward(group_, s.handle, s.x_q, s.x_scales, s.topk_weights, s.recv_x, s.recv_scales, s.recv_weights,
+                     stream);
+  }
   s.a = Tensor::empty({cap, P, F}, c.dtype, dev);
   s.h = Tensor::empty({cap, F}, c.dtype, dev);
   s.y = Tensor::empty({cap, H}, c.dtype, dev);
-  MlpConfig mc{c.activation, c.apply_weights_early};
+  MlpConfig mc{c.activation, c.apply_weights_early, c.precision};
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
-                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y};
+                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
   expert_mlp_forward(mc, mt, stream);
   combine_forward(group_, s.handle, s.y, c.apply_weights_early ? TensorRef() : s.recv_weights.ref(), out, stream);
 
@@ -199,7 +216,7 @@ MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream st
     s.shared_y = Tensor::empty({T, H}, c.dtype, dev);
     MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
-    expert_mlp_forward(MlpConfig{c.activation, false}, st, stream);
+    expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, stream);
     detail::add(out, s.shared_y, out, stream);
   }
   return ctx;
@@ -228,10 +245,10 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   Tensor d_recv_x = Tensor::empty({cap, H}, c.dtype, dev);
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
-                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y};
+                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
   MlpGrads mg{d_y, d_recv_x, c.apply_weights_early ? d_recv_weights.ref() : TensorRef(),
               grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
-  expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early}, mt, mg, stream);
+  expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision}, mt, mg, stream);
   Tensor d_x_routed = Tensor::empty({T, H}, c.dtype, dev);
   Tensor d_topk_weights = Tensor::empty({T, K}, gt, dev);
   dispatch_backward(group_, s.handle, d_recv_x, d_recv_weights, d_x_routed, d_topk_weights, stream);
@@ -255,7 +272,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
     MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
     MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
-    expert_mlp_backward(MlpConfig{c.activation, false}, st, sg, stream);
+    expert_mlp_backward(MlpConfig{c.activation, false, c.precision}, st, sg, stream);
     detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
   }
   detail::cast(d_x_acc, d_x, stream);

@@ -18,12 +18,17 @@
 //   each sum over the group's real rows in ascending order (zeros for an empty group).
 // Padding rows of a, h, y, d_x and d_row_weights are written as zeros; rows at or past
 // offsets[G] are not touched.
+// FP8 precisions (forward only): every GEMM operand is replaced by its quantize -> dequantize
+// image (x and h rows with the activation recipe, w_in[j, p] and w_out[j] with the weight recipe,
+// blocks along the contraction dim); an fp8 x is dequantized with its scales. Backward uses the
+// saved (unquantized) a and h, the unquantized weights, and x as the forward saw it.
 #include "ref/expert_mlp.h"
 
 #include <cmath>
 #include <vector>
 
 #include "ref/grouped_gemm.h"
+#include "ref/quant.h"
 
 namespace epx::ref {
 namespace {
@@ -86,6 +91,53 @@ ActGrad<Acc> act_grad(Activation f, Acc a0, Acc a1) {
 
 bool wide(DType t) { return t == DType::kF64; }
 
+QuantRecipe row_recipe(MlpPrecision p) {
+  return p == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
+}
+QuantRecipe weight_recipe(MlpPrecision p) {
+  return p == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block128x128 : QuantRecipe::kMxfp8Colwise;
+}
+
+// MX scales round up (NVIDIA's recipe): the spec's floor saturates up to 1/8 of the largest
+// elements of a block, which costs several percent of accuracy through two GEMMs.
+QuantOptions mlp_quant_options() {
+  QuantOptions o;
+  o.mx_rounding = E8M0Rounding::kCeil;
+  return o;
+}
+
+// What an FP8 GEMM sees of the [M, N] block of `src` starting at element `offset`.
+template <class Acc>
+std::vector<Acc> quantized_image(const TensorRef& src, int64_t offset, int64_t M, int64_t N, QuantRecipe r) {
+  const TensorRef block(static_cast<char*>(src.data()) + offset * dtype_size(src.dtype()), src.dtype(), {M, N});
+  Tensor q = Tensor::empty({M, N}, DType::kF8E4M3), out = Tensor::empty({M, N}, DType::kF32);
+  Tensor sc = Tensor::empty(quant_scale_shape(r, M, N), quant_scale_dtype(r));
+  ref::quantize(r, block, q, sc, mlp_quant_options());
+  ref::dequantize(r, q, sc, out);
+  return std::vector<Acc>(out.ptr<float>(), out.ptr<float>() + M * N);
+}
+
+// Row r of x as a GEMM consumes it: dequantized when x is fp8, quantized first under an FP8
+// precision (forward only), as is otherwise.
+template <class Acc>
+void load_x_row(const MlpConfig& c, const MlpTensors& t, int64_t r, int64_t H, bool forward, Acc* out) {
+  if (t.x.dtype() == DType::kF8E4M3) {
+    const QuantRecipe rr = row_recipe(c.precision);
+    const int64_t S = t.x_scales.size(1);
+    const TensorRef q(static_cast<char*>(t.x.data()) + r * H, DType::kF8E4M3, {1, H});
+    const TensorRef sc(static_cast<char*>(t.x_scales.data()) + r * S * dtype_size(t.x_scales.dtype()),
+                       t.x_scales.dtype(), {1, S});
+    Tensor tmp = Tensor::empty({1, H}, DType::kF32);
+    ref::dequantize(rr, q, sc, tmp);
+    for (int64_t i = 0; i < H; ++i) out[i] = tmp.ptr<float>()[i];
+  } else if (forward && c.precision != MlpPrecision::kHigh) {
+    const std::vector<Acc> v = quantized_image<Acc>(t.x, r * H, 1, H, row_recipe(c.precision));
+    std::copy(v.begin(), v.end(), out);
+  } else {
+    load_row(t.x.data(), t.x.dtype(), r * H, H, out);
+  }
+}
+
 // Zeros on the padding rows [begin + rows, end) of a tensor with `width` elements per row.
 void zero_padding(const TensorRef& t, const GroupSpan& g, int64_t width) {
   if (t.defined()) store_zeros(t, (g.begin + g.rows) * width, (g.end - g.begin - g.rows) * width);
@@ -95,20 +147,30 @@ template <class Acc>
 void forward_impl(const MlpConfig& c, const MlpTensors& t) {
   const int64_t H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3), PF = P * F;
   const bool bias = t.b_in.defined(), early = c.apply_weights_early, gated = P == 2;
+  const bool fp8 = c.precision != MlpPrecision::kHigh;
   const std::vector<GroupSpan> groups = read_groups("epx::expert_mlp_forward", t.offsets, t.rows, t.x.size(0));
   std::vector<Acc> x(H), acc(PF), act(F), h(F), y(H), b_in(PF, Acc(0)), b_out(H, Acc(0));
   for (size_t jj = 0; jj < groups.size(); ++jj) {
     const GroupSpan& g = groups[jj];
     const int64_t j = static_cast<int64_t>(jj);
     if (g.rows > 0) {
-      const std::vector<Acc> w_in = load_matrix<Acc>(t.w_in, j * P * H * F, P * H, F, false);  // P blocks [H, F]
-      const std::vector<Acc> w_out = load_matrix<Acc>(t.w_out, j * F * H, F, H, false);
+      std::vector<Acc> w_in, w_out;
+      if (fp8) {
+        for (int64_t p = 0; p < P; ++p) {
+          const std::vector<Acc> b = quantized_image<Acc>(t.w_in, (j * P + p) * H * F, H, F, weight_recipe(c.precision));
+          w_in.insert(w_in.end(), b.begin(), b.end());
+        }
+        w_out = quantized_image<Acc>(t.w_out, j * F * H, F, H, weight_recipe(c.precision));
+      } else {
+        w_in = load_matrix<Acc>(t.w_in, j * P * H * F, P * H, F, false);  // P blocks [H, F]
+        w_out = load_matrix<Acc>(t.w_out, j * F * H, F, H, false);
+      }
       if (bias) {
         load_row(t.b_in.data(), t.b_in.dtype(), j * PF, PF, b_in.data());
         load_row(t.b_out.data(), t.b_out.dtype(), j * H, H, b_out.data());
       }
       for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
-        load_row(t.x.data(), t.x.dtype(), r * H, H, x.data());
+        load_x_row(c, t, r, H, true, x.data());
         for (int64_t p = 0; p < P; ++p) row_times_matrix(x.data(), H, w_in.data() + p * H * F, F, acc.data() + p * F);
         if (bias)
           for (int64_t i = 0; i < PF; ++i) acc[i] += b_in[i];
@@ -120,6 +182,7 @@ void forward_impl(const MlpConfig& c, const MlpTensors& t) {
         }
         store_row(t.h.data(), t.h.dtype(), r * F, F, act.data());
         load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());  // FC2 consumes the stored (rounded) h
+        if (fp8) h = quantized_image<Acc>(t.h, r * F, 1, F, row_recipe(c.precision));
         row_times_matrix(h.data(), F, w_out.data(), H, y.data());
         if (bias)
           for (int64_t n = 0; n < H; ++n) y[n] += b_out[n];
@@ -154,7 +217,7 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
       }
       const std::vector<Acc> w_out_t = load_matrix<Acc>(t.w_out, j * F * H, F, H, true);  // [H, F]
       for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
-        load_row(t.x.data(), t.x.dtype(), r * H, H, x.data());
+        load_x_row(c, t, r, H, false, x.data());
         load_row(t.a.data(), t.a.dtype(), r * PF, PF, a.data());
         load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());
         load_row(d.d_y.data(), d.d_y.dtype(), r * H, H, dy.data());
@@ -204,14 +267,14 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
 }  // namespace
 
 void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t) {
-  if (wide(t.x.dtype()))
+  if (wide(t.w_in.dtype()))
     forward_impl<double>(config, t);
   else
     forward_impl<float>(config, t);
 }
 
 void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g) {
-  if (wide(t.x.dtype()))
+  if (wide(t.w_in.dtype()))
     backward_impl<double>(config, t, g);
   else
     backward_impl<float>(config, t, g);
