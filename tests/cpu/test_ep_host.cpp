@@ -252,6 +252,49 @@ void run_scenario(const Scenario& sc) {
     }
 }
 
+
+// A case small enough to work out by hand (values in the comments), 2 ranks, 4 experts, align 2.
+//   rank 0: token 0 -> experts {1, 2} w {0.5, 0.25}, x = 10;  token 1 -> {3, masked} w {1, 0}, x = 20
+//   rank 1: token 0 -> experts {2, 0} w {0.75, 0.5}, x = 30
+// rank 0 holds experts 0, 1: [30 (r1 t0), pad | 10 (r0 t0), pad]        offsets {0, 2, 4}
+// rank 1 holds experts 2, 3: [10 (r0 t0), 30 (r1 t0) | 20 (r0 t1), pad]  offsets {0, 2, 4}
+// experts double their input: out r0 = {0.5*20 + 0.25*20, 1*40} = {15, 40}; out r1 = {0.75*60 + 0.5*60} = {75}
+TEST(EpHost, HandComputedTwoRanks) {
+  GroupConfig cfg;
+  cfg.num_experts = 4;
+  cfg.hidden = 1;
+  cfg.max_tokens_per_rank = 2;
+  cfg.max_topk = 2;
+  cfg.max_dtype = DType::kF32;
+  cfg.align = 2;
+  auto groups = Group::create_simulated(2, cfg);
+  const std::vector<std::vector<int32_t>> ids = {{1, 2, 3, -1}, {2, 0}};
+  const std::vector<std::vector<float>> w = {{0.5f, 0.25f, 1.0f, 0.0f}, {0.75f, 0.5f}}, x = {{10, 20}, {30}};
+  const std::vector<std::vector<float>> want_recv = {{30, 0, 10, 0}, {10, 30, 20, 0}};
+  const std::vector<std::vector<float>> want_w = {{0.5f, 0, 0.5f, 0}, {0.25f, 0.75f, 1.0f, 0}};
+  const std::vector<std::vector<float>> want_out = {{15, 40}, {75}};
+  run_ranks(groups, [&](Group& g) {
+    const int r = g.rank(), T = static_cast<int>(x[r].size());
+    Tensor idx = Tensor::empty({T, 2}, DType::kI32), tw = Tensor::empty({T, 2}, DType::kF32), xt = Tensor::empty({T, 1}, DType::kF32);
+    std::copy(ids[r].begin(), ids[r].end(), idx.ptr<int32_t>());
+    std::copy(w[r].begin(), w[r].end(), tw.ptr<float>());
+    std::copy(x[r].begin(), x[r].end(), xt.ptr<float>());
+    const int64_t cap = g.recv_capacity_rows();
+    Tensor recv = Tensor::full({cap, 1}, DType::kF32, -1), rw = Tensor::full({cap}, DType::kF32, -1);
+    Handle h = prepare(g, idx, tw);
+    EXPECT_EQ(h.expert_offsets_host(), (std::vector<int32_t>{0, 2, 4})) << "rank " << r;
+    dispatch_forward(g, h, xt, tw, recv, rw);
+    Tensor y = Tensor::zeros({cap, 1}, DType::kF32), out = Tensor::zeros({T, 1}, DType::kF32);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(recv.ptr<float>()[i], want_recv[r][i]) << "rank " << r << " row " << i;
+      EXPECT_EQ(rw.ptr<float>()[i], want_w[r][i]) << "rank " << r << " weight " << i;
+      y.ptr<float>()[i] = 2 * recv.ptr<float>()[i];
+    }
+    combine_forward(g, h, y, rw, out);
+    for (int t = 0; t < T; ++t) EXPECT_EQ(out.ptr<float>()[t], want_out[r][t]) << "rank " << r << " token " << t;
+  });
+}
+
 TEST(EpHost, UniformAcrossGroupSizes) {
   for (int R : {1, 2, 3, 4, 8}) {
     Scenario sc;
