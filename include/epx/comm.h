@@ -37,6 +37,7 @@ enum class Transport : uint8_t {
   kZeroCopy,  // NCCL device API: LSA pointers into peers' symmetric windows
   kStaged,    // ncclSend/ncclRecv of compacted rows (other nodes; EPX_TRANSPORT=staged)
   kHost,      // the CPU reference: ranks are threads, windows are shared host buffers
+  kLocal,     // one GPU, no communication: dispatch and combine are local permutes
 };
 const char* transport_name(Transport t);
 
@@ -68,6 +69,8 @@ class Group {
   /// CPU reference backend: R simulated ranks in this process. Element r is rank r's view and
   /// must be used by one thread (see run_ranks); all views share the windows and the barrier.
   static std::vector<Group> create_simulated(int num_ranks, const GroupConfig& config);
+  /// A group of one rank on CUDA device `device` (needs the CUDA backend): every expert is local.
+  static Group create_local(const GroupConfig& config, int device = 0);
 
   int rank() const;
   int size() const;
@@ -80,7 +83,9 @@ class Group {
   int64_t recv_capacity_rows() const;
   /// Bytes of communication buffers this rank registered (windows, staging, metadata).
   size_t registered_bytes() const;
-  /// Raises any error the device recorded since the last check (overflow, peer timeout).
+  /// Synchronises with the device and raises the first error recorded since the last check by
+  /// any live handle of this group (a bad expert id, a recv-capacity overflow, a peer timeout).
+  /// Ops never synchronise by themselves, so call it at a host-visible point (e.g. once a step).
   void check();
 
   GroupState& state() const;

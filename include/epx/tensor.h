@@ -92,6 +92,8 @@ class Tensor {
   static Tensor zeros(Shape shape, DType dtype, Device device = Device::cpu());
   /// Host tensor filled with `value` (rounded to dtype).
   static Tensor full(Shape shape, DType dtype, double value);
+  /// A tensor over memory someone else owns; `keepalive` (may be null) is held as long as any copy.
+  static Tensor wrap(const TensorRef& ref, std::shared_ptr<void> keepalive);
 
   const TensorRef& ref() const { return ref_; }
   operator const TensorRef&() const { return ref_; }

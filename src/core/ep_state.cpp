@@ -19,6 +19,7 @@ const char* transport_name(Transport t) {
     case Transport::kZeroCopy: return "zero-copy";
     case Transport::kStaged: return "staged";
     case Transport::kHost: return "host";
+    case Transport::kLocal: return "local";
   }
   return "?";
 }
@@ -130,3 +131,11 @@ int64_t Handle::num_recv_rows_host() const {
 }
 
 }  // namespace epx
+
+#ifndef EPX_HAVE_CUDA
+namespace epx {
+Group Group::create_local(const GroupConfig&, int) {
+  throw Error(Status::kNotSupported, "epx::Group::create_local: epx was built without the CUDA backend");
+}
+}  // namespace epx
+#endif

@@ -17,16 +17,22 @@
 //              expert_offsets [Le+1] padded offsets; [Le] = rows in use
 //              recv_row       [R, max_tokens, K] expert-major row of (source, slot, k) or -1,
 //                                    written by dispatch_forward, read by the other three ops
-//              status         [2]    {overflow: rows needed beyond capacity, first bad id + 1}
+//              status         [4]    {rows needed beyond the recv capacity (0 = fits),
+//                                     first bad pair t*K+k (kNoBadPair = none), its id, 1 = out of
+//                                     range / 2 = repeated in its row}; the GPU backends fill it on
+//                                     the device and Group::check() turns it into an Error
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "epx/comm.h"
 #include "epx/layout.h"
 #include "epx/tensor.h"
 
 namespace epx {
+
+constexpr int32_t kNoBadPair = 0x7f7f7f7f;  // what a byte-wise 0x7f memset leaves
 
 struct HandleState {
   uint64_t group_id = 0;
@@ -36,12 +42,17 @@ struct HandleState {
   int num_ranks = 0;
   int local_experts = 0;
   int max_tokens = 0;
+  int max_topk = 0;
   int capacity = 0;
   bool dispatched = false;
 
   Tensor routed_experts, pair_pos, token_slot, send_tokens, routed_counts;
   Tensor recv_pairs, recv_tokens, expert_rows, expert_offsets, recv_row;
   Tensor status;
+  /// Backend storage behind the tensors above (a pooled device block), released with the handle,
+  /// and the backend's scratch inside it.
+  std::shared_ptr<void> storage;
+  void* scratch = nullptr;
 };
 
 struct GroupState {

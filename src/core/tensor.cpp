@@ -97,6 +97,13 @@ Tensor Tensor::full(Shape shape, DType dtype, double value) {
   return t;
 }
 
+Tensor Tensor::wrap(const TensorRef& ref, std::shared_ptr<void> keepalive) {
+  Tensor t;
+  t.storage_ = std::move(keepalive);
+  t.ref_ = ref;
+  return t;
+}
+
 Tensor Tensor::to(Device device) const {
   Tensor t = empty(shape(), dtype(), device);
   detail::copy_bytes(t.data(), device, data(), this->device(), nbytes());

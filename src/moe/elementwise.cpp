@@ -4,14 +4,20 @@
 
 #include "core/device_memory.h"
 #include "epx/error.h"
+#ifdef EPX_HAVE_CUDA
+#include "cuda/elementwise/elementwise.h"
+#endif
 
 namespace epx::detail {
 
-void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream) {
+void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream) {
   require(a.numel() == b.numel() && a.numel() == out.numel(), "epx::add", "a is ", a.str(), ", b is ", b.str(),
           ", out is ", out.str(), ", expected equal element counts");
-  require(a.device().is_cpu() && b.device().is_cpu() && out.device().is_cpu(), "epx::add",
-          "CUDA tensors are not supported by this op yet");
+  require(a.device() == out.device() && b.device() == out.device(), "epx::add", "a is on ", a.device().str(),
+          ", b on ", b.device().str(), ", out on ", out.device().str(), ", expected one device");
+#ifdef EPX_HAVE_CUDA
+  if (out.device().is_cuda()) return cuda::add(a, b, out, stream);
+#endif
   const int64_t n = a.numel();
   std::vector<double> va(n), vb(n);
   load_row(a.data(), a.dtype(), 0, n, va.data());
@@ -32,10 +38,14 @@ void fill_zero(const TensorRef& t, Stream) { memset_bytes(t.data(), t.device(), 
 
 namespace epx::detail {
 
-void cast(const TensorRef& src, const TensorRef& dst, Stream) {
+void cast(const TensorRef& src, const TensorRef& dst, Stream stream) {
   require(src.numel() == dst.numel(), "epx::cast", "src is ", src.str(), ", dst is ", dst.str(),
           ", expected equal element counts");
-  require(src.device().is_cpu() && dst.device().is_cpu(), "epx::cast", "CUDA tensors are not supported by this op yet");
+  require(src.device() == dst.device(), "epx::cast", "src is on ", src.device().str(), ", dst on ",
+          dst.device().str(), ", expected one device");
+#ifdef EPX_HAVE_CUDA
+  if (dst.device().is_cuda()) return cuda::cast(src, dst, stream);
+#endif
   const int64_t n = src.numel();
   if (dst.dtype() == DType::kF64 || src.dtype() == DType::kF64) {
     std::vector<double> v(n);

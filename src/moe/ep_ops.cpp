@@ -70,6 +70,7 @@ Handle prepare(Group& group, const TensorRef& topk_idx, const TensorRef& topk_we
   s->num_ranks = g.size;
   s->local_experts = g.local_experts;
   s->max_tokens = c.max_tokens_per_rank;
+  s->max_topk = c.max_topk;
   s->capacity = options.capacity_factor > 0
                     ? static_cast<int>(std::ceil(static_cast<double>(options.capacity_factor) * T * K / c.num_experts))
                     : 0;

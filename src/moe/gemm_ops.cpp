@@ -18,6 +18,9 @@
 #include "epx/grouped_gemm.h"
 #include "ref/expert_mlp.h"
 #include "ref/grouped_gemm.h"
+#ifdef EPX_HAVE_CUDA
+#include "cuda/gemm/dense_gemm.h"
+#endif
 
 namespace epx {
 
@@ -175,6 +178,9 @@ void gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool trans
   check_wide_or_same(fn, "c", c, {M, N}, a.dtype());
   check_accumulate(fn, "c", c, accumulate);
   check_all_on(fn, a.device(), {{"b", &b}, {"c", &c}});
+#ifdef EPX_HAVE_CUDA
+  if (a.device().is_cuda()) return cuda::dense_gemm(a, b, c, transpose_a, transpose_b, accumulate, stream);
+#endif
   require_host(fn, a.device());
   ref::gemm(a, b, c, transpose_a, transpose_b, accumulate);
 }

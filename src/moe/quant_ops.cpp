@@ -1,7 +1,8 @@
 // Public entry points of quantize / dequantize: validate every argument once (recipe, options,
 // dtypes, 2-D shapes, the scale tensor's exact shape and dtype, one device, no overlapping
-// buffers), then run the CPU reference for host tensors. Nothing here touches data; the CUDA
-// kernels will plug in where the kNotSupported error is raised today.
+// buffers), then run the CPU reference for host tensors or the CUDA kernels (src/cuda/quant) for
+// device tensors, stream-ordered on `stream`. Nothing here touches data. A build without the CUDA
+// backend refuses device tensors with kNotSupported.
 #include <cstdint>
 #include <string>
 
@@ -9,6 +10,10 @@
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "ref/quant.h"
+
+#ifdef EPX_HAVE_CUDA
+#include "cuda/quant/quant.h"
+#endif
 
 namespace epx {
 
@@ -46,10 +51,11 @@ void check_disjoint(const char* fn, const char* a_name, const TensorRef& a, cons
           " in memory, expected separate buffers");
 }
 
-void refuse_cuda(const char* fn, const TensorRef& t) {
-  if (t.device().is_cuda())
-    throw Error(Status::kNotSupported, std::string(fn) + ": CUDA tensors are not supported by this op yet");
+#ifndef EPX_HAVE_CUDA
+[[noreturn]] void refuse_cuda(const char* fn) {
+  throw Error(Status::kNotSupported, std::string(fn) + ": CUDA tensors need the CUDA backend, which this build does not have");
 }
+#endif
 
 }  // namespace
 
@@ -93,7 +99,14 @@ void quantize(QuantRecipe recipe, const TensorRef& x, const TensorRef& q, const 
   check_disjoint(fn, "q", q, "x", x);
   check_disjoint(fn, "scales", scales, "x", x);
   check_disjoint(fn, "scales", scales, "q", q);
-  refuse_cuda(fn, x);
+  if (x.device().is_cuda()) {
+#ifdef EPX_HAVE_CUDA
+    cuda::quantize(recipe, x, q, scales, options.mx_rounding, stream);
+    return;
+#else
+    refuse_cuda(fn);
+#endif
+  }
   ref::quantize(recipe, x, q, scales, options);
 }
 
@@ -109,7 +122,14 @@ void dequantize(QuantRecipe recipe, const TensorRef& q, const TensorRef& scales,
   check_device(fn, "x_out", x_out, q.device());
   check_disjoint(fn, "x_out", x_out, "q", q);
   check_disjoint(fn, "x_out", x_out, "scales", scales);
-  refuse_cuda(fn, q);
+  if (q.device().is_cuda()) {
+#ifdef EPX_HAVE_CUDA
+    cuda::dequantize(recipe, q, scales, x_out, stream);
+    return;
+#else
+    refuse_cuda(fn);
+#endif
+  }
   ref::dequantize(recipe, q, scales, x_out);
 }
 

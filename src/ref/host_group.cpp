@@ -146,7 +146,8 @@ class HostGroup final : public GroupState {
     h.recv_tokens = Tensor::empty({R}, DType::kI32);
     h.expert_rows = Tensor::zeros({Le}, DType::kI32);
     h.expert_offsets = Tensor::zeros({Le + 1}, DType::kI32);
-    h.status = Tensor::zeros({2}, DType::kI32);
+    h.status = Tensor::zeros({4}, DType::kI32);
+    h.status.ptr<int32_t>()[1] = kNoBadPair;
     std::string topk_mismatch;
     for (int s = 0; s < R; ++s) {
       const int32_t* hdr = reinterpret_cast<const int32_t*>(world_->window(rank) + L.header_offset(s));

@@ -1,0 +1,94 @@
+// Benchmark plumbing: event timing (median over repetitions, inputs rotated so the L2 cache does
+// not serve them), the measured HBM ceiling, and JSON lines.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/common/cuda_check.h"
+
+namespace epx::bench {
+
+/// Median over `reps` of the mean time of `iters` back-to-back calls, in microseconds. fn(i) gets
+/// the call index so it can rotate among input sets.
+inline double time_us(const std::function<void(int)>& fn, int iters = 20, int reps = 7, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  EPX_CUDA_CHECK(cudaEventCreate(&a));
+  EPX_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  int call = 0;
+  for (int r = 0; r < reps; ++r) {
+    EPX_CUDA_CHECK(cudaEventRecord(a));
+    for (int i = 0; i < iters; ++i) fn(call++);
+    EPX_CUDA_CHECK(cudaEventRecord(b));
+    EPX_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(1e3 * ms / iters);
+  }
+  EPX_CUDA_CHECK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), the HBM ceiling we report
+/// fractions of.
+inline double measure_hbm_bytes_per_s() {
+  const size_t bytes = size_t(1) << 30;
+  void *src = nullptr, *dst = nullptr;
+  EPX_CUDA_CHECK(cudaMalloc(&src, bytes));
+  EPX_CUDA_CHECK(cudaMalloc(&dst, bytes));
+  EPX_CUDA_CHECK(cudaMemset(src, 1, bytes));
+  const double us = time_us([&](int) { EPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); }, 5, 5, 2);
+  cudaFree(src);
+  cudaFree(dst);
+  return 2.0 * bytes / (us * 1e-6);
+}
+
+/// One JSON object on one line, keys in insertion order.
+class JsonLine {
+ public:
+  JsonLine& add(const std::string& k, const std::string& v) { return raw(k, "\"" + v + "\""); }
+  JsonLine& add(const std::string& k, const char* v) { return add(k, std::string(v)); }
+  JsonLine& add(const std::string& k, double v) {
+    std::ostringstream os;
+    os.precision(6);
+    os << v;
+    return raw(k, os.str());
+  }
+  JsonLine& add(const std::string& k, long long v) { return raw(k, std::to_string(v)); }
+  JsonLine& add(const std::string& k, int v) { return raw(k, std::to_string(v)); }
+  JsonLine& add(const std::string& k, bool v) { return raw(k, v ? "true" : "false"); }
+  void print(FILE* out = stdout) const {
+    std::fprintf(out, "{%s}\n", body_.c_str());
+    std::fflush(out);
+  }
+
+ private:
+  JsonLine& raw(const std::string& k, const std::string& v) {
+    body_ += (body_.empty() ? "\"" : ",\"") + k + "\":" + v;
+    return *this;
+  }
+  std::string body_;
+};
+
+/// How many rotating copies of an input of `bytes` keep the working set above twice the L2.
+inline int rotation_for(size_t bytes) {
+  int dev = 0, l2 = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+  const size_t want = 2 * static_cast<size_t>(l2);
+  return static_cast<int>(std::max<size_t>(1, (want + bytes - 1) / bytes));
+}
+
+}  // namespace epx::bench

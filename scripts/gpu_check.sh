@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call on a GPU machine: configure + build (Release, ninja), the GPU
+# test suite, compute-sanitizer memcheck over the GPU tests, and every benchmark beside its PyTorch
+# baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
+# bench.jsonl (one JSON object per line), build.log, summary.txt.
+#
+# usage: scripts/gpu_check.sh [build] [tests] [memcheck] [bench] [multigpu]   (default: all but multigpu)
+# GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-gpu}
+JOBS=${JOBS:-16}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build tests memcheck bench)
+has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+summary "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tr '\n' ';')"
+
+if has build; then
+  gt=()
+  [ -d .carry/googletest ] && gt=(-DEPX_GTEST_SOURCE="$PWD/.carry/googletest")
+  t0=$(date +%s)
+  if ! cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${gt[@]}" >"$OUT/build.log" 2>&1 ||
+     ! cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1; then
+    grep -E "error|Error" -A4 "$OUT/build.log" | head -60
+    summary "build: FAILED"
+    exit 1
+  fi
+  summary "build: ok in $(( $(date +%s) - t0 )) s"
+fi
+
+if has tests; then
+  "$BUILD/tests/epx_tests_gpu" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) " "$OUT/gpu_tests.log" | sort | uniq -c | tail -20
+  grep -E "Failure|error" -A6 "$OUT/gpu_tests.log" | head -80
+  summary "gpu tests: rc=$rc $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log" | head -1) $(grep -E '^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | head -1)"
+fi
+
+if has memcheck; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$BUILD/tests/epx_tests_gpu" --gtest_filter="${MEMCHECK_FILTER:-*}" >"$OUT/memcheck.log" 2>&1
+    rc=$?
+    summary "memcheck: rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+  else
+    summary "memcheck: compute-sanitizer not found"
+  fi
+fi
+
+if has bench; then
+  : >"$OUT/bench.jsonl"
+  for b in "$BUILD"/bin/bench_*; do
+    [ -x "$b" ] || continue
+    timeout 120 "$b" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench: $(basename "$b") failed rc=$?"
+  done
+  PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
+    summary "bench: torch baseline failed"
+  summary "bench: $(wc -l <"$OUT/bench.jsonl") JSON lines"
+  cat "$OUT/bench.jsonl"
+fi
+
+if has multigpu; then
+  n=$(nvidia-smi -L | wc -l)
+  summary "multigpu: $n GPUs"
+  [ -x "$BUILD/tests/epx_tests_multigpu" ] && "$BUILD/tests/epx_tests_multigpu" >"$OUT/multigpu.log" 2>&1
+fi
+cat "$OUT/summary.txt"

@@ -1,0 +1,132 @@
+// A group of one rank on one GPU: every expert is local, so dispatch and combine are the local
+// permute kernels and nothing crosses a link. Same Handle, same layout, same contracts as the
+// multi-rank groups; it is also what a single-GPU MoE layer runs on.
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "comm/handle_pool.h"
+#include "core/device_memory.h"
+#include "core/ep_state.h"
+#include "cuda/common/cuda_check.h"
+#include "cuda/layout/layout.h"
+#include "cuda/permute/permute.h"
+#include "epx/error.h"
+
+namespace epx {
+namespace comm {
+namespace {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    EPX_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) EPX_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+class LocalGroup final : public GroupState {
+ public:
+  LocalGroup(const GroupConfig& c, int dev) {
+    config = c;
+    rank = 0;
+    size = 1;
+    local_experts = c.num_experts;
+    device = Device::cuda(dev);
+    transport = Transport::kLocal;
+    recv_capacity_rows = c.recv_capacity_rows > 0 ? c.recv_capacity_rows : worst_case_recv_rows(c, 1);
+    id = next_group_id();
+    pool_ = std::make_shared<HandlePool>(cuda::handle_block_bytes(c, 1), dev);
+    DeviceGuard g(dev);
+    status_ = Tensor::empty({5}, DType::kI32, device);
+    reset_status();
+  }
+
+  void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights, const PrepareOptions& options,
+               Stream stream) override {
+    DeviceGuard g(device.index);
+    h.storage = pool_->acquire();
+    cuda::bind_handle(h, h.storage.get(), config, 1, 0, device);
+    cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/true, config.align, recv_capacity_rows,
+                            status_.ptr<int32_t>(), stream);
+  }
+
+  void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales, const TensorRef& topk_weights,
+                        const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
+                        Stream stream) override {
+    DeviceGuard g(device.index);
+    cuda::permute_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, recv_capacity_rows, stream);
+  }
+
+  void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights, const TensorRef& out,
+                       Stream stream) override {
+    DeviceGuard g(device.index);
+    cuda::unpermute_forward(h, y, row_weights, out, stream);
+  }
+
+  void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y, const TensorRef& row_weights,
+                        const TensorRef& d_y, const TensorRef& d_row_weights, Stream stream) override {
+    DeviceGuard g(device.index);
+    cuda::permute_backward(h, d_out, y, row_weights, d_y, d_row_weights, stream);
+  }
+
+  void dispatch_backward(HandleState& h, const TensorRef& d_recv_x, const TensorRef& d_recv_weights,
+                         const TensorRef& d_x, const TensorRef& d_topk_weights, Stream stream) override {
+    DeviceGuard g(device.index);
+    cuda::unpermute_backward(h, d_recv_x, d_recv_weights, d_x, d_topk_weights, stream);
+  }
+
+  void all_reduce_sum(const TensorRef&, Stream) override {}  // one rank: the sum is the buffer
+
+  void check() override {
+    DeviceGuard g(device.index);
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    int32_t s[5];
+    EPX_CUDA_CHECK(cudaMemcpy(s, status_.data(), sizeof s, cudaMemcpyDeviceToHost));
+    reset_status();
+    if (s[1] != kNoBadPair) {
+      const int K = s[4] > 0 ? s[4] : 1;
+      const int t = s[1] / K, k = s[1] % K;
+      if (s[3] == 2)
+        throw Error(Status::kInvalidArgument,
+                    detail::concat("epx::prepare: topk_idx row ", t, " names expert ", s[2], " twice (slot ", k,
+                                   "); each token picks distinct experts (the slot was treated as masked)"));
+      throw Error(Status::kInvalidArgument,
+                  detail::concat("epx::prepare: topk_idx[", t, ", ", k, "] is ", s[2],
+                                 ", expected -1 (masked) or an expert id in [0, ", config.num_experts,
+                                 ") (the slot was treated as masked)"));
+    }
+    if (s[0] > 0)
+      throw Error(Status::kCapacityExceeded,
+                  detail::concat("epx::dispatch_forward: rank 0 would receive ", recv_capacity_rows + s[0],
+                                 " expert-major rows, more than the group's recv capacity of ", recv_capacity_rows,
+                                 " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
+                                 "nothing was written"));
+  }
+
+ private:
+  void reset_status() {
+    const int32_t init[5] = {0, kNoBadPair, 0, 0, 0};
+    EPX_CUDA_CHECK(cudaMemcpy(status_.data(), init, sizeof init, cudaMemcpyHostToDevice));
+  }
+
+  std::shared_ptr<HandlePool> pool_;
+  Tensor status_;
+};
+
+}  // namespace
+}  // namespace comm
+
+Group Group::create_local(const GroupConfig& config, int device) {
+  config.validate("epx::Group::create_local", 1);
+  const int n = detail::cuda_device_count();
+  require(device >= 0 && device < n, "epx::Group::create_local", "device is ", device, ", expected 0..", n - 1, " (",
+          n, " CUDA device(s) visible)");
+  return Group(std::make_unique<comm::LocalGroup>(config, device));
+}
+
+}  // namespace epx
