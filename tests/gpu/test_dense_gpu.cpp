@@ -5,6 +5,7 @@
 
 #include <random>
 
+#include "epx/error.h"
 #include "epx/grouped_gemm.h"
 #include "gpu/gpu_test_util.h"
 #include "moe/elementwise.h"
