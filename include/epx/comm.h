@@ -71,6 +71,15 @@ class Group {
   static std::vector<Group> create_simulated(int num_ranks, const GroupConfig& config);
   /// A group of one rank on CUDA device `device` (needs the CUDA backend): every expert is local.
   static Group create_local(const GroupConfig& config, int device = 0);
+  /// One process driving several GPUs (default: every visible one): one view per device, created
+  /// together (ncclCommInitAll); use each view from its own thread (run_ranks).
+  static std::vector<Group> create_all_local(const GroupConfig& config, std::vector<int> devices = {});
+  /// Borrows an existing NCCL communicator (an ncclComm_t, e.g. PyTorch's): collective over its
+  /// ranks. The communicator must outlive the group.
+  static Group from_nccl(void* nccl_comm, const GroupConfig& config);
+  /// One process per GPU: RANK / WORLD_SIZE / LOCAL_RANK (or OMPI_COMM_WORLD_*, SLURM_*) and the
+  /// NCCL id from EPX_NCCL_ID (hex) or EPX_NCCL_ID_FILE (rank 0 writes it, the others read it).
+  static Group create_from_env(const GroupConfig& config);
 
   int rank() const;
   int size() const;

@@ -137,5 +137,14 @@ namespace epx {
 Group Group::create_local(const GroupConfig&, int) {
   throw Error(Status::kNotSupported, "epx::Group::create_local: epx was built without the CUDA backend");
 }
+std::vector<Group> Group::create_all_local(const GroupConfig&, std::vector<int>) {
+  throw Error(Status::kNotSupported, "epx::Group::create_all_local: epx was built without the CUDA backend");
+}
+Group Group::from_nccl(void*, const GroupConfig&) {
+  throw Error(Status::kNotSupported, "epx::Group::from_nccl: epx was built without the CUDA backend");
+}
+Group Group::create_from_env(const GroupConfig&) {
+  throw Error(Status::kNotSupported, "epx::Group::create_from_env: epx was built without the CUDA backend");
+}
 }  // namespace epx
 #endif

@@ -14,6 +14,12 @@
 
 #include "epx/comm.h"
 
+#if defined(__CUDACC__)
+#define EPX_HOST_DEVICE __host__ __device__
+#else
+#define EPX_HOST_DEVICE
+#endif
+
 namespace epx {
 
 struct RowMeta {
@@ -49,12 +55,12 @@ struct WindowLayout {
     w.total = w.reduce + static_cast<size_t>(num_ranks) * kReduceBytes;
     return w;
   }
-  size_t header_offset(int src) const { return header + src * header_ints * sizeof(int32_t); }
-  size_t meta_offset(int src, int slot) const {
+  EPX_HOST_DEVICE size_t header_offset(int src) const { return header + src * header_ints * sizeof(int32_t); }
+  EPX_HOST_DEVICE size_t meta_offset(int src, int slot) const {
     return meta + (static_cast<size_t>(src) * max_tokens + slot) * max_topk * sizeof(RowMeta);
   }
-  size_t row_offset(int src, int slot) const { return rows + (static_cast<size_t>(src) * max_tokens + slot) * row_bytes; }
-  size_t reduce_offset(int src) const { return reduce + static_cast<size_t>(src) * kReduceBytes; }
+  EPX_HOST_DEVICE size_t row_offset(int src, int slot) const { return rows + (static_cast<size_t>(src) * max_tokens + slot) * row_bytes; }
+  EPX_HOST_DEVICE size_t reduce_offset(int src) const { return reduce + static_cast<size_t>(src) * kReduceBytes; }
 };
 
 }  // namespace epx

@@ -24,7 +24,7 @@ struct Carve {
 struct HandleLayout {
   size_t routed, pair_pos, token_slot, send_tokens, counts, recv_pairs, recv_tokens, expert_rows, expert_offsets,
       recv_row, status;
-  size_t local_rank, block_hist, block_tok, masked_ids, pair_list;
+  size_t local_rank, block_hist, block_tok, masked_ids, pair_list, segment_starts;
   size_t total;
 };
 
@@ -49,6 +49,7 @@ HandleLayout handle_layout(int max_tokens, int max_topk, int E, int R) {
   L.block_tok = c.take<int32_t>(static_cast<size_t>(layout::kMaxLayoutBlocks) * R);
   L.masked_ids = c.take<int32_t>(TK);
   L.pair_list = c.take<int32_t>(TK);
+  L.segment_starts = c.take<int32_t>(static_cast<size_t>(Le) * R);
   L.total = (c.offset + 255) / 256 * 256;
   return L;
 }
@@ -80,6 +81,8 @@ void run_passes(layout::Params p, bool finalize_tokens, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int32_t* handle_segment_starts(const HandleState& h) { return at<int32_t>(h.scratch, layout_of(h).segment_starts); }
 
 size_t handle_block_bytes(const GroupConfig& c, int num_ranks) {
   return handle_layout(c.max_tokens_per_rank, c.max_topk, c.num_experts, num_ranks).total;

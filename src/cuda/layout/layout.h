@@ -21,6 +21,10 @@ size_t handle_block_bytes(const GroupConfig& config, int num_ranks);
 /// Points the handle's tensors into `block` (handle_block_bytes bytes on `device`) for T tokens.
 void bind_handle(HandleState& h, void* block, const GroupConfig& config, int num_ranks, int rank, Device device);
 
+/// [E_local, R] scratch of a bound handle: where source s's run starts inside local expert j's
+/// segment (filled by the multi-rank count exchange).
+int32_t* handle_segment_starts(const HandleState& h);
+
 /// Send side of prepare: validates ids (bad slots are masked and recorded in h.status), applies
 /// the capacity, and fills routed_experts, pair_pos, routed_counts, token_slot and send_tokens.
 /// With `local` (a group of one rank) the receive side is filled too: recv_pairs, recv_tokens,

@@ -1,0 +1,181 @@
+// EP dispatch / combine across the local GPUs (one process, one thread per rank) on the zero-copy
+// NCCL group. Per rank and per op: median time, remote bytes / time and its fraction of the
+// copy-engine peer bandwidth measured in the same run, DeepEP's "NVL GB/s" (all received rows,
+// local included, x H x 2 bytes / time), SMs used for the link, bytes registered.
+//
+// usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N]   (default: sweep)
+#include <cuda_runtime_api.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "core/device_memory.h"
+#include "core/ep_state.h"
+#include "epx/comm.h"
+#include "epx/layout.h"
+
+using namespace epx;
+using bench::JsonLine;
+
+namespace {
+
+class HostBarrier {
+ public:
+  explicit HostBarrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu_);
+    const int gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lk, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, count_ = 0, gen_ = 0;
+};
+
+double peer_copy_gb_per_s() {
+  const size_t bytes = size_t(256) << 20;
+  void *a = nullptr, *b = nullptr;
+  EPX_CUDA_CHECK(cudaSetDevice(0));
+  cudaDeviceEnablePeerAccess(1, 0);
+  cudaGetLastError();
+  EPX_CUDA_CHECK(cudaMalloc(&a, bytes));
+  EPX_CUDA_CHECK(cudaSetDevice(1));
+  EPX_CUDA_CHECK(cudaMalloc(&b, bytes));
+  EPX_CUDA_CHECK(cudaSetDevice(0));
+  const double us = bench::time_us([&](int) { EPX_CUDA_CHECK(cudaMemcpyPeerAsync(b, 1, a, 0, bytes)); }, 5, 5, 2);
+  cudaFree(a);
+  EPX_CUDA_CHECK(cudaSetDevice(1));
+  cudaFree(b);
+  EPX_CUDA_CHECK(cudaSetDevice(0));
+  return bytes / (us * 1e-6) * 1e-9;
+}
+
+Tensor random_ids(int T, int E, int K, uint32_t seed, Device dev) {
+  std::mt19937 rng(seed);
+  Tensor h = Tensor::empty({T, K}, DType::kI32);
+  std::vector<int> perm(E);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> d(k, E - 1);
+      std::swap(perm[k], perm[d(rng)]);
+      h.ptr<int32_t>()[t * K + k] = perm[k];
+    }
+  }
+  return h.to(dev);
+}
+
+void run(int T, int H, int E, int K, int sms, double link) {
+  GroupConfig cfg;
+  cfg.num_experts = E;
+  cfg.hidden = H;
+  cfg.max_tokens_per_rank = T;
+  cfg.max_topk = K;
+  cfg.num_sms = sms;
+  cfg.align = 1;
+  std::vector<Group> groups = Group::create_all_local(cfg);
+  const int R = static_cast<int>(groups.size());
+  HostBarrier bar(R);
+  std::vector<JsonLine> lines(R);
+  run_ranks(groups, [&](Group& g) {
+    const Device dev = g.device();
+    EPX_CUDA_CHECK(cudaSetDevice(dev.index));
+    const int64_t cap = g.recv_capacity_rows();
+    Tensor idx = random_ids(T, E, K, 11 + g.rank(), dev);
+    Tensor w = Tensor::full({T, K}, DType::kF32, 0.125).to(dev);
+    Tensor x = Tensor::full({T, H}, DType::kBF16, 1.0).to(dev);
+    Tensor recv = Tensor::empty({cap, H}, DType::kBF16, dev), rw = Tensor::empty({cap}, DType::kF32, dev);
+    Tensor out = Tensor::empty({T, H}, DType::kBF16, dev);
+    auto timed = [&](const std::function<void(int)>& fn) {
+      bar.wait();
+      const double us = bench::time_us(fn, 10, 5, 2);
+      bar.wait();
+      return us;
+    };
+    const double t_prep = timed([&](int) { Handle h = prepare(g, idx, w); });
+    const double t_pd = timed([&](int) {
+      Handle h = prepare(g, idx, w);
+      dispatch_forward(g, h, x, w, recv, rw);
+    });
+    Handle h = prepare(g, idx, w);
+    dispatch_forward(g, h, x, w, recv, rw);
+    const double t_comb = timed([&](int) { combine_forward(g, h, recv, rw, out); });
+    g.check();
+    Tensor sent = Tensor::wrap(h.state().send_tokens.ref(), nullptr).to(Device::cpu());
+    Tensor got = Tensor::wrap(h.state().recv_tokens.ref(), nullptr).to(Device::cpu());
+    double remote_rows = 0, all_recv = 0;
+    for (int d = 0; d < R; ++d) {
+      if (d != g.rank()) remote_rows += sent.ptr<int32_t>()[d];
+      all_recv += got.ptr<int32_t>()[d];
+    }
+    const double t_disp = t_pd - t_prep, row = 2.0 * H;
+    lines[g.rank()]
+        .add("impl", "epx")
+        .add("op", "dispatch+combine")
+        .add("transport", transport_name(g.transport()))
+        .add("rank", g.rank())
+        .add("ranks", R)
+        .add("tokens", T)
+        .add("hidden", H)
+        .add("experts", E)
+        .add("topk", K)
+        .add("sms", cfg.num_sms ? cfg.num_sms : 32)
+        .add("prepare_us", t_prep)
+        .add("dispatch_us", t_disp)
+        .add("combine_us", t_comb)
+        .add("remote_rows", remote_rows)
+        .add("dispatch_remote_gb_per_s", remote_rows * row / t_disp * 1e-3)
+        .add("dispatch_link_fraction", remote_rows * row / t_disp * 1e-3 / link)
+        .add("dispatch_nvl_gb_per_s", all_recv * row / t_disp * 1e-3)
+        .add("combine_remote_gb_per_s", remote_rows * row / t_comb * 1e-3)
+        .add("combine_link_fraction", remote_rows * row / t_comb * 1e-3 / link)
+        .add("registered_bytes", static_cast<long long>(g.registered_bytes()))
+        .add("recv_capacity_rows", static_cast<long long>(cap));
+  });
+  lines[0].print();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int T = 0, H = 0, E = 0, K = 0, sms = 32;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--tokens")) T = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--hidden")) H = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--experts")) E = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--topk")) K = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--sms")) sms = std::atoi(argv[i + 1]);
+  }
+  if (detail::cuda_device_count() < 2) {
+    std::fprintf(stderr, "bench_ep: needs 2 GPUs, %d visible: skipped\n", detail::cuda_device_count());
+    return 0;
+  }
+  try {
+    const double link = peer_copy_gb_per_s();
+    JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
+    if (T) {
+      run(T, H ? H : 7168, E ? E : 256, K ? K : 8, sms, link);
+    } else {
+      for (int h : {7168, 4096})
+        for (int t : {128, 512, 2048, 4096, 8192}) run(t, h, h == 7168 ? 256 : 64, 8, sms, link);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_ep: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

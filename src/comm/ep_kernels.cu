@@ -1,0 +1,707 @@
+// Zero-copy EP kernels: ranks write straight into each other's symmetric windows (LSA pointers
+// resolved once at group creation) and meet at barriers with timeouts (signal.cuh).
+//
+// Every op is  barrier (peers finished reading what they got last time) -> writers put rows into
+// peers' windows -> barrier (the rows are visible) -> readers work on their own window,  and each
+// phase is its own kernel, so a kernel boundary orders the phases of all blocks. The window layout
+// and the arithmetic are exactly the host reference's (src/ref/host_group.cpp): same regions, same
+// slots, same fp32 orders, so the GPU results equal the reference bit for bit where it promises.
+//
+// Work decomposition: one warp per item (a token on the sending side, a received (source, token)
+// row on the receiving side), 16-byte vectors when rows and pointers allow, several loads in flight.
+#include "comm/ep_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "comm/signal.cuh"
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/dtype_cuda.cuh"
+
+namespace epx::comm {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;
+constexpr int kMaxK = 32;
+constexpr int kMaxR = 64;
+
+__host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
+  return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns};
+}
+
+__global__ void barrier_kernel(SignalArgs s, int op) { group_barrier(s, op); }
+
+void barrier(const DeviceGroup& g, int op, cudaStream_t stream) {
+  barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op);
+  EPX_CHECK_LAUNCH("barrier_kernel");
+}
+
+// ---- row copies ----------------------------------------------------------------------------
+
+template <class V>
+__device__ __forceinline__ void copy_row(const char* src, char* dst, int64_t bytes, int lane) {
+  const V* s = reinterpret_cast<const V*>(src);
+  V* d = reinterpret_cast<V*>(dst);
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t v0 = lane; v0 < n; v0 += 32 * kUnroll) {
+    V val[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v0 + u * 32 < n) val[u] = s[v0 + u * 32];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v0 + u * 32 < n) d[v0 + u * 32] = val[u];
+  }
+}
+
+template <class V>
+__device__ __forceinline__ void zero_bytes(char* dst, int64_t bytes, int lane) {
+  V* d = reinterpret_cast<V*>(dst);
+  for (int64_t v = lane; v < bytes / static_cast<int64_t>(sizeof(V)); v += 32) d[v] = V{};
+}
+
+// Received rows of source s occupy items [prefix[s], prefix[s+1]); maps an item to (s, slot).
+__device__ __forceinline__ void item_source(const int32_t* prefix, int R, int64_t item, int& s, int& slot) {
+  s = 0;
+  while (s + 1 < R && item >= prefix[s + 1]) ++s;
+  slot = static_cast<int>(item - prefix[s]);
+}
+
+__device__ __forceinline__ void load_prefix(const int32_t* recv_tokens, int R, int32_t* prefix) {
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int s = 0; s < R; ++s) {
+      prefix[s] = acc;
+      acc += recv_tokens[s];
+    }
+    prefix[R] = acc;
+  }
+  __syncthreads();
+}
+
+// ---- prepare: count exchange ------------------------------------------------------------------
+
+struct ExchangeArgs {
+  DeviceGroup g;
+  int K;
+  const int32_t* counts;       // [E]
+  const int32_t* send_tokens;  // [R]
+  int32_t* recv_pairs;         // [R, Le]
+  int32_t* recv_tokens;        // [R]
+  int32_t* expert_rows;        // [Le]
+  int32_t* expert_offsets;     // [Le + 1]
+  int32_t* segment_starts;     // [Le, R]
+  int32_t* handle_status;      // [4]
+};
+
+__global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a) {
+  const DeviceGroup& g = a.g;
+  const int Le = g.Le, R = g.R, hw = Le + 2;
+  const SignalArgs sig = signal_of(g);
+  group_barrier(sig, kOpPrepare);
+  for (int i = threadIdx.x; i < R * hw; i += blockDim.x) {
+    const int d = i / hw, j = i % hw;
+    int32_t* hdr = reinterpret_cast<int32_t*>(g.peer_window[d] + g.layout.header_offset(g.rank));
+    hdr[j] = j < Le ? a.counts[d * Le + j] : (j == Le ? a.send_tokens[d] : a.K);
+  }
+  group_barrier(sig, kOpPrepare);
+  for (int i = threadIdx.x; i < R * Le; i += blockDim.x) {
+    const int s = i / Le, j = i % Le;
+    a.recv_pairs[i] = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s))[j];
+  }
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    const int32_t* hdr = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s));
+    a.recv_tokens[s] = hdr[Le];
+    if (hdr[Le + 1] != a.K && atomicCAS(reinterpret_cast<uint32_t*>(&g.status[3]), 0u, 3u) == 0u) {
+      g.status[1] = s;           // the rank that disagrees
+      g.status[2] = hdr[Le + 1]; // its top-k
+      g.status[4] = a.K;         // ours
+    }
+  }
+  __syncthreads();
+  // Rows per local expert, padded offsets, and where each source's run starts in a segment.
+  __shared__ int32_t scan[1024];
+  int64_t carry = 0;
+  for (int base = 0; base < Le; base += blockDim.x) {
+    const int j = base + threadIdx.x;
+    int32_t rows = 0;
+    if (j < Le)
+      for (int s = 0; s < R; ++s) rows += a.recv_pairs[s * Le + j];
+    const int32_t padded = static_cast<int32_t>((static_cast<int64_t>(rows) + g.align - 1) / g.align * g.align);
+    scan[threadIdx.x] = padded;
+    __syncthreads();
+    for (int st = 1; st < blockDim.x; st <<= 1) {
+      const int32_t v = threadIdx.x >= st ? scan[threadIdx.x - st] : 0;
+      __syncthreads();
+      scan[threadIdx.x] += v;
+      __syncthreads();
+    }
+    if (j < Le) {
+      const int32_t off = static_cast<int32_t>(carry + scan[threadIdx.x] - padded);
+      a.expert_rows[j] = rows;
+      a.expert_offsets[j] = off;
+      int32_t at = off;
+      for (int s = 0; s < R; ++s) {
+        a.segment_starts[j * R + s] = at;
+        at += a.recv_pairs[s * Le + j];
+      }
+    }
+    carry += scan[blockDim.x - 1];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    a.expert_offsets[Le] = static_cast<int32_t>(carry);
+    const int32_t over = carry > g.recv_capacity ? static_cast<int32_t>(carry - g.recv_capacity) : 0;
+    a.handle_status[0] = over;
+    if (over > g.status[0]) g.status[0] = over;
+  }
+}
+
+// ---- dispatch --------------------------------------------------------------------------------
+
+struct SendArgs {
+  DeviceGroup g;
+  int T, K;
+  const int32_t* routed;      // [T, K]
+  const int32_t* pair_pos;    // [T, K]
+  const int32_t* token_slot;  // [T, R]
+  const char* rows;           // [T, row_bytes]
+  int64_t row_bytes;
+  const char* scales;         // [T, scale_bytes] or null
+  int64_t scale_bytes;
+  const float* weights;       // [T, K] or null
+  bool with_meta;             // dispatch writes the routing meta; combine_backward does not
+};
+
+template <class V>
+__global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
+  __shared__ int32_t slot_s[kWarps][kMaxR];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DeviceGroup& g = a.g;
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
+    for (int d = lane; d < g.R; d += 32) slot_s[warp][d] = a.token_slot[t * g.R + d];
+    __syncwarp();
+    const V* src = reinterpret_cast<const V*>(a.rows + t * a.row_bytes);
+    const int64_t n = a.row_bytes / static_cast<int64_t>(sizeof(V));
+    for (int64_t v0 = lane; v0 < n; v0 += 32 * kUnroll) {
+      V val[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * 32 < n) val[u] = src[v0 + u * 32];
+      for (int d = 0; d < g.R; ++d) {
+        const int32_t sl = slot_s[warp][d];
+        if (sl < 0) continue;
+        V* dst = reinterpret_cast<V*>(g.peer_window[d] + g.layout.row_offset(g.rank, sl));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
+      }
+    }
+    for (int d = 0; d < g.R; ++d) {
+      const int32_t sl = slot_s[warp][d];
+      if (sl < 0) continue;
+      char* row = g.peer_window[d] + g.layout.row_offset(g.rank, sl);
+      if (a.scale_bytes)
+        for (int64_t b = lane; b < a.scale_bytes; b += 32) row[a.row_bytes + b] = a.scales[t * a.scale_bytes + b];
+      if (a.with_meta && lane < a.K) {
+        const int32_t e = a.routed[t * a.K + lane];
+        const bool here = e >= 0 && e / g.Le == d;
+        RowMeta m;
+        m.local_expert = here ? e % g.Le : -1;
+        m.position = here ? a.pair_pos[t * a.K + lane] : 0;
+        m.weight = here && a.weights ? static_cast<double>(a.weights[t * a.K + lane]) : 0.0;
+        reinterpret_cast<RowMeta*>(g.peer_window[d] + g.layout.meta_offset(g.rank, sl))[lane] = m;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+struct ExpandArgs {
+  DeviceGroup g;
+  int K;
+  const int32_t* recv_tokens;     // [R]
+  const int32_t* segment_starts;  // [Le, R]
+  const int32_t* offsets;         // [Le + 1]
+  const int32_t* expert_rows;     // [Le]
+  int32_t* recv_row;              // [R, max_tokens, K]
+  char* out;                      // [rows, row_bytes]
+  int64_t row_bytes;
+  char* out_scales;               // [rows, scale_bytes] or null
+  int64_t scale_bytes;
+  float* out_weights;             // [rows] or null
+};
+
+template <class V>
+__global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
+  __shared__ int32_t prefix[kMaxR + 1];
+  __shared__ int32_t rows_s[kWarps][kMaxK];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DeviceGroup& g = a.g;
+  if (static_cast<int64_t>(a.offsets[g.Le]) > g.recv_capacity) return;  // overflow: nothing written
+  load_prefix(a.recv_tokens, g.R, prefix);
+  const int64_t received = prefix[g.R], items = received + g.Le;
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
+    if (it >= received) {
+      const int j = static_cast<int>(it - received);
+      for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
+        zero_bytes<V>(a.out + r * a.row_bytes, a.row_bytes, lane);
+        if (a.scale_bytes) zero_bytes<uint8_t>(a.out_scales + r * a.scale_bytes, a.scale_bytes, lane);
+        if (lane == 0 && a.out_weights) a.out_weights[r] = 0.0f;
+      }
+      continue;
+    }
+    int s, slot;
+    item_source(prefix, g.R, it, s, slot);
+    int32_t row = -1;
+    if (lane < a.K) {
+      const RowMeta m = reinterpret_cast<const RowMeta*>(g.my_window + g.layout.meta_offset(s, slot))[lane];
+      if (m.local_expert >= 0) {
+        row = a.segment_starts[m.local_expert * g.R + s] + m.position;
+        if (a.out_weights) a.out_weights[row] = static_cast<float>(m.weight);
+      }
+      a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane] = row;
+    }
+    rows_s[warp][lane] = row;
+    __syncwarp();
+    const char* src = g.my_window + g.layout.row_offset(s, slot);
+    for (int k = 0; k < a.K; ++k) {
+      const int32_t r = rows_s[warp][k];
+      if (r < 0) continue;
+      copy_row<V>(src, a.out + r * a.row_bytes, a.row_bytes, lane);
+      if (a.scale_bytes) copy_row<uint8_t>(src + a.row_bytes, a.out_scales + r * a.scale_bytes, a.scale_bytes, lane);
+    }
+    __syncwarp();
+  }
+}
+
+// ---- combine and dispatch_backward ------------------------------------------------------------
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+struct ReduceArgs {
+  DeviceGroup g;
+  int T, K;
+  int64_t H;
+  const int32_t* recv_tokens;    // [R]
+  const int32_t* recv_row;       // [R, max_tokens, K]
+  const void* rows_in;           // [rows, H]
+  const float* row_weights;      // or null
+  const float* row_scalars;      // dispatch_backward: d_recv_weights, or null
+  const int32_t* token_slot;     // [T, R]
+  const int32_t* routed;         // [T, K]
+  void* out;                     // [T, H]
+  float* d_topk_weights;         // [T, K] or null
+};
+
+// Expert side: one partial row per received (source, token), into the source's window.
+template <class T, int N>
+__global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
+  __shared__ int32_t prefix[kMaxR + 1];
+  __shared__ int32_t rows_s[kWarps][kMaxK];
+  __shared__ float w_s[kWarps][kMaxK];
+  using P = Pack<T, N>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DeviceGroup& g = a.g;
+  load_prefix(a.recv_tokens, g.R, prefix);
+  const int64_t items = prefix[g.R], nvec = a.H / N;
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
+    int s, slot;
+    item_source(prefix, g.R, it, s, slot);
+    int32_t row = -1;
+    float w = 1.0f;
+    if (lane < a.K) {
+      row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
+      if (row >= 0 && a.row_weights) w = a.row_weights[row];
+      if (row >= 0 && a.row_scalars)
+        reinterpret_cast<RowMeta*>(g.peer_window[s] + g.layout.meta_offset(g.rank, slot))[lane].weight =
+            static_cast<double>(a.row_scalars[row]);
+    }
+    rows_s[warp][lane] = row;
+    w_s[warp][lane] = w;
+    __syncwarp();
+    const P* in = static_cast<const P*>(a.rows_in);
+    P* dst = reinterpret_cast<P*>(g.peer_window[s] + g.layout.row_offset(g.rank, slot));
+    for (int64_t v = lane; v < nvec; v += 32) {
+      float acc[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = 0.0f;
+      for (int k = 0; k < a.K; ++k) {
+        const int32_t r = rows_s[warp][k];
+        if (r < 0) continue;
+        const P p = in[r * nvec + v];
+        if (a.row_weights) {
+          const float wk = w_s[warp][k];
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[i] = fmaf(wk, cuda::to_float(p.v[i]), acc[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[i] += cuda::to_float(p.v[i]);
+        }
+      }
+      P o;
+#pragma unroll
+      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[i]);
+      dst[v] = o;
+    }
+    __syncwarp();
+  }
+}
+
+// Source side: out[t] = sum over ranks ascending of the partials that came back.
+template <class T, int N>
+__global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
+  __shared__ int32_t slot_s[kWarps][kMaxR];
+  using P = Pack<T, N>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DeviceGroup& g = a.g;
+  const int64_t nvec = a.H / N;
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
+    for (int d = lane; d < g.R; d += 32) slot_s[warp][d] = a.token_slot[t * g.R + d];
+    __syncwarp();
+    if (a.d_topk_weights && lane < a.K) {
+      const int32_t e = a.routed[t * a.K + lane];
+      float v = 0.0f;
+      if (e >= 0) {
+        const int d = e / g.Le;
+        v = static_cast<float>(
+            reinterpret_cast<const RowMeta*>(g.my_window + g.layout.meta_offset(d, slot_s[warp][d]))[lane].weight);
+      }
+      a.d_topk_weights[t * a.K + lane] = v;
+    }
+    P* out = static_cast<P*>(a.out) + t * nvec;
+    for (int64_t v = lane; v < nvec; v += 32) {
+      float acc[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = 0.0f;
+      for (int d = 0; d < g.R; ++d) {
+        const int32_t sl = slot_s[warp][d];
+        if (sl < 0) continue;
+        const P p = reinterpret_cast<const P*>(g.my_window + g.layout.row_offset(d, sl))[v];
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] += cuda::to_float(p.v[i]);
+      }
+      P o;
+#pragma unroll
+      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[i]);
+      out[v] = o;
+    }
+    __syncwarp();
+  }
+}
+
+// ---- combine_backward: spread the received d_out rows -----------------------------------------
+
+struct SpreadArgs {
+  DeviceGroup g;
+  int K;
+  int64_t H;
+  const int32_t* recv_tokens;
+  const int32_t* recv_row;
+  const int32_t* offsets;
+  const int32_t* expert_rows;
+  const void* y;               // read only with d_row_weights
+  const float* row_weights;    // or null
+  void* d_y;
+  float* d_row_weights;        // or null
+};
+
+template <class T, int N, int KMAX>
+__global__ void __launch_bounds__(kThreads) spread_kernel(SpreadArgs a) {
+  __shared__ int32_t prefix[kMaxR + 1];
+  __shared__ int32_t rows_s[kWarps][kMaxK];
+  __shared__ float w_s[kWarps][kMaxK];
+  using P = Pack<T, N>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DeviceGroup& g = a.g;
+  load_prefix(a.recv_tokens, g.R, prefix);
+  const int64_t received = prefix[g.R], items = received + g.Le, nvec = a.H / N;
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
+    if (it >= received) {
+      const int j = static_cast<int>(it - received);
+      for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
+        P* d = static_cast<P*>(a.d_y) + r * nvec;
+        for (int64_t v = lane; v < nvec; v += 32) d[v] = P{};
+        if (lane == 0 && a.d_row_weights) a.d_row_weights[r] = 0.0f;
+      }
+      continue;
+    }
+    int s, slot;
+    item_source(prefix, g.R, it, s, slot);
+    int32_t row = -1;
+    float w = 1.0f;
+    if (lane < a.K) {
+      row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
+      if (row >= 0 && a.row_weights) w = a.row_weights[row];
+    }
+    rows_s[warp][lane] = row;
+    w_s[warp][lane] = w;
+    __syncwarp();
+    float dot[KMAX];
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
+    const P* gin = reinterpret_cast<const P*>(g.my_window + g.layout.row_offset(s, slot));
+    for (int64_t v = lane; v < nvec; v += 32) {
+      const P gp = gin[v];
+      float gf[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) gf[i] = cuda::to_float(gp.v[i]);
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        if (k >= a.K) break;
+        const int32_t r = rows_s[warp][k];
+        if (r < 0) continue;
+        P o;
+        if (a.row_weights) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(w_s[warp][k] * gf[i]);
+        } else {
+          o = gp;
+        }
+        static_cast<P*>(a.d_y)[r * nvec + v] = o;
+        if (a.d_row_weights) {
+          const P yp = static_cast<const P*>(a.y)[r * nvec + v];
+#pragma unroll
+          for (int i = 0; i < N; ++i) dot[k] = fmaf(gf[i], cuda::to_float(yp.v[i]), dot[k]);
+        }
+      }
+    }
+    if (a.d_row_weights) {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        if (k >= a.K) break;
+        float d = dot[k];
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+        if (lane == 0 && rows_s[warp][k] >= 0) a.d_row_weights[rows_s[warp][k]] = d;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// ---- all-reduce ------------------------------------------------------------------------------
+
+template <class F>
+__global__ void all_reduce_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t n) {
+  const SignalArgs sig = signal_of(g);
+  group_barrier(sig, kOpReduce);
+  for (int d = 0; d < g.R; ++d) {
+    F* dst = reinterpret_cast<F*>(g.peer_window[d] + g.layout.reduce_offset(g.rank));
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = buf[begin + i];
+  }
+  group_barrier(sig, kOpReduce);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    F acc = 0;
+    for (int s = 0; s < g.R; ++s) acc += reinterpret_cast<const F*>(g.my_window + g.layout.reduce_offset(s))[i];
+    buf[begin + i] = acc;
+  }
+}
+
+// ---- launch helpers ----------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+int grid_for(int64_t items, int cap_blocks) {
+  const int64_t want = (items + kWarps - 1) / kWarps;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap_blocks)));
+}
+
+template <class F>
+void with_element(DType dt, F&& f) {
+  switch (dt) {
+    case DType::kF32: f(float{}); break;
+    case DType::kBF16: f(__nv_bfloat16{}); break;
+    case DType::kF16: f(__half{}); break;
+    default:
+      throw Error(Status::kNotSupported,
+                  detail::concat("epx: the CUDA combine supports fp32, bf16 and fp16 rows, not ", dtype_name(dt)));
+  }
+}
+
+void check_limits(const DeviceGroup& g, int K, const char* fn) {
+  require_status(K <= kMaxK, Status::kNotSupported, fn, "top-k is ", K, "; the CUDA EP kernels support up to ", kMaxK);
+  require_status(g.R <= kMaxR, Status::kNotSupported, fn, "the group has ", g.R, " ranks; the CUDA EP kernels support up to ",
+                 kMaxR);
+}
+
+}  // namespace
+
+size_t signal_bytes(int num_ranks) { return (static_cast<size_t>(num_ranks) * sizeof(uint32_t) + 255) / 256 * 256; }
+
+void exchange_counts(const DeviceGroup& g, HandleState& h, int32_t* segment_starts, Stream stream) {
+  check_limits(g, h.topk, "epx::prepare");
+  require_status(g.Le <= 1024 * 64, Status::kNotSupported, "epx::prepare", "too many local experts: ", g.Le);
+  ExchangeArgs a{g,
+                 h.topk,
+                 h.routed_counts.ptr<int32_t>(),
+                 h.send_tokens.ptr<int32_t>(),
+                 h.recv_pairs.ptr<int32_t>(),
+                 h.recv_tokens.ptr<int32_t>(),
+                 h.expert_rows.ptr<int32_t>(),
+                 h.expert_offsets.ptr<int32_t>(),
+                 segment_starts,
+                 h.status.ptr<int32_t>()};
+  exchange_kernel<<<1, 1024, 0, cuda::to_cuda(stream)>>>(a);
+  EPX_CHECK_LAUNCH("exchange_kernel");
+}
+
+void dispatch_rows(const DeviceGroup& g, HandleState& h, const int32_t* segment_starts, const TensorRef& x,
+                   const TensorRef& x_scales, const TensorRef& topk_weights, const TensorRef& recv_x,
+                   const TensorRef& recv_scales, const TensorRef& recv_weights, Stream stream) {
+  check_limits(g, h.topk, "epx::dispatch_forward");
+  cudaStream_t s = cuda::to_cuda(stream);
+  SendArgs sa;
+  sa.g = g;
+  sa.T = h.num_tokens;
+  sa.K = h.topk;
+  sa.routed = h.routed_experts.ptr<int32_t>();
+  sa.pair_pos = h.pair_pos.ptr<int32_t>();
+  sa.token_slot = h.token_slot.ptr<int32_t>();
+  sa.rows = static_cast<const char*>(x.data());
+  sa.row_bytes = x.size(1) * static_cast<int64_t>(dtype_size(x.dtype()));
+  sa.scales = x_scales.defined() ? static_cast<const char*>(x_scales.data()) : nullptr;
+  sa.scale_bytes = x_scales.defined() ? x_scales.size(1) * static_cast<int64_t>(dtype_size(x_scales.dtype())) : 0;
+  sa.weights = topk_weights.defined() ? topk_weights.ptr<float>() : nullptr;
+  sa.with_meta = true;
+  const bool vec = sa.row_bytes % 16 == 0 && aligned16(sa.rows) && g.layout.row_bytes % 16 == 0;
+  barrier(g, kOpDispatch, s);
+  const int send_grid = grid_for(h.num_tokens, g.send_blocks);
+  if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
+  else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
+  EPX_CHECK_LAUNCH("send_rows_kernel");
+  barrier(g, kOpDispatch, s);
+  ExpandArgs ea;
+  ea.g = g;
+  ea.K = h.topk;
+  ea.recv_tokens = h.recv_tokens.ptr<int32_t>();
+  ea.segment_starts = segment_starts;
+  ea.offsets = h.expert_offsets.ptr<int32_t>();
+  ea.expert_rows = h.expert_rows.ptr<int32_t>();
+  ea.recv_row = h.recv_row.ptr<int32_t>();
+  ea.out = static_cast<char*>(recv_x.data());
+  ea.row_bytes = sa.row_bytes;
+  ea.out_scales = recv_scales.defined() ? static_cast<char*>(recv_scales.data()) : nullptr;
+  ea.scale_bytes = sa.scale_bytes;
+  ea.out_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
+  const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
+  if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
+  else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);
+  EPX_CHECK_LAUNCH("expand_rows_kernel");
+}
+
+void reduce_rows(const DeviceGroup& g, const HandleState& h, int op_code, const TensorRef& rows_in,
+                 const TensorRef& row_weights, const TensorRef& d_row_scalars, const TensorRef& out,
+                 const TensorRef& d_topk_weights, Stream stream) {
+  check_limits(g, h.topk, op_code == kOpCombine ? "epx::combine_forward" : "epx::dispatch_backward");
+  cudaStream_t s = cuda::to_cuda(stream);
+  ReduceArgs a;
+  a.g = g;
+  a.T = h.num_tokens;
+  a.K = h.topk;
+  a.H = rows_in.size(1);
+  a.recv_tokens = h.recv_tokens.ptr<int32_t>();
+  a.recv_row = h.recv_row.ptr<int32_t>();
+  a.rows_in = rows_in.data();
+  a.row_weights = row_weights.defined() ? row_weights.ptr<float>() : nullptr;
+  a.row_scalars = d_row_scalars.defined() ? d_row_scalars.ptr<float>() : nullptr;
+  a.token_slot = h.token_slot.ptr<int32_t>();
+  a.routed = h.routed_experts.ptr<int32_t>();
+  a.out = out.data();
+  a.d_topk_weights = d_topk_weights.defined() ? d_topk_weights.ptr<float>() : nullptr;
+  with_element(rows_in.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int N = 16 / sizeof(T);
+    const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && g.layout.row_bytes % 16 == 0;
+    barrier(g, op_code, s);
+    const int send_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, g.send_blocks);
+    if (vec) reduce_send_kernel<T, N><<<send_grid, kThreads, 0, s>>>(a);
+    else reduce_send_kernel<T, 1><<<send_grid, kThreads, 0, s>>>(a);
+    EPX_CHECK_LAUNCH("reduce_send_kernel");
+    barrier(g, op_code, s);
+    const int sum_grid = grid_for(a.T, cuda::sm_count() * 8);
+    if (vec) sum_partials_kernel<T, N><<<sum_grid, kThreads, 0, s>>>(a);
+    else sum_partials_kernel<T, 1><<<sum_grid, kThreads, 0, s>>>(a);
+    EPX_CHECK_LAUNCH("sum_partials_kernel");
+  });
+}
+
+void spread_rows(const DeviceGroup& g, const HandleState& h, const TensorRef& d_out, const TensorRef& y,
+                 const TensorRef& row_weights, const TensorRef& d_y, const TensorRef& d_row_weights, Stream stream) {
+  check_limits(g, h.topk, "epx::combine_backward");
+  cudaStream_t s = cuda::to_cuda(stream);
+  SendArgs sa;
+  sa.g = g;
+  sa.T = h.num_tokens;
+  sa.K = h.topk;
+  sa.routed = h.routed_experts.ptr<int32_t>();
+  sa.pair_pos = h.pair_pos.ptr<int32_t>();
+  sa.token_slot = h.token_slot.ptr<int32_t>();
+  sa.rows = static_cast<const char*>(d_out.data());
+  sa.row_bytes = d_out.size(1) * static_cast<int64_t>(dtype_size(d_out.dtype()));
+  sa.scales = nullptr;
+  sa.scale_bytes = 0;
+  sa.weights = nullptr;
+  sa.with_meta = false;
+  SpreadArgs pa;
+  pa.g = g;
+  pa.K = h.topk;
+  pa.H = d_out.size(1);
+  pa.recv_tokens = h.recv_tokens.ptr<int32_t>();
+  pa.recv_row = h.recv_row.ptr<int32_t>();
+  pa.offsets = h.expert_offsets.ptr<int32_t>();
+  pa.expert_rows = h.expert_rows.ptr<int32_t>();
+  pa.y = d_row_weights.defined() ? y.data() : nullptr;
+  pa.row_weights = row_weights.defined() ? row_weights.ptr<float>() : nullptr;
+  pa.d_y = d_y.data();
+  pa.d_row_weights = d_row_weights.defined() ? d_row_weights.ptr<float>() : nullptr;
+  with_element(d_out.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int N = 16 / sizeof(T);
+    const bool vec = pa.H % N == 0 && aligned16(sa.rows) && aligned16(pa.d_y) && (!pa.y || aligned16(pa.y)) &&
+                     g.layout.row_bytes % 16 == 0;
+    barrier(g, kOpCombineBwd, s);
+    const int send_grid = grid_for(h.num_tokens, g.send_blocks);
+    if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
+    else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
+    EPX_CHECK_LAUNCH("send_rows_kernel");
+    barrier(g, kOpCombineBwd, s);
+    const int grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
+    auto launch = [&](auto kmax) {
+      constexpr int KM = decltype(kmax)::value;
+      if (vec) spread_kernel<T, N, KM><<<grid, kThreads, 0, s>>>(pa);
+      else spread_kernel<T, 1, KM><<<grid, kThreads, 0, s>>>(pa);
+    };
+    if (h.topk <= 8) launch(std::integral_constant<int, 8>{});
+    else if (h.topk <= 16) launch(std::integral_constant<int, 16>{});
+    else launch(std::integral_constant<int, 32>{});
+    EPX_CHECK_LAUNCH("spread_kernel");
+  });
+}
+
+void all_reduce(const DeviceGroup& g, const TensorRef& buffer, Stream stream) {
+  cudaStream_t s = cuda::to_cuda(stream);
+  const size_t es = dtype_size(buffer.dtype());
+  const int64_t chunk = static_cast<int64_t>(WindowLayout::kReduceBytes / es);
+  const int64_t rounds = std::max<int64_t>(1, (buffer.numel() + chunk - 1) / chunk);
+  for (int64_t r = 0; r < rounds; ++r) {
+    const int64_t begin = r * chunk, n = std::max<int64_t>(0, std::min<int64_t>(chunk, buffer.numel() - begin));
+    if (buffer.dtype() == DType::kF64) all_reduce_kernel<double><<<1, 512, 0, s>>>(g, buffer.ptr<double>(), begin, n);
+    else all_reduce_kernel<float><<<1, 512, 0, s>>>(g, buffer.ptr<float>(), begin, n);
+    EPX_CHECK_LAUNCH("all_reduce_kernel");
+  }
+}
+
+}  // namespace epx::comm

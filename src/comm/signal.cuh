@@ -1,0 +1,73 @@
+// A barrier between the ranks of a group over their symmetric windows, with a timeout.
+//
+// Every rank owns an inbox of R uint32 words in its window; barrier number e (a device counter, so
+// a replayed CUDA graph keeps counting) stores e into inbox[my rank] of every peer with release
+// semantics at system scope, then waits until its own inbox holds >= e from every peer (acquire).
+// Comparisons are wrap-safe. A wait that exceeds the timeout gives up, records which peers never
+// arrived and at which operation in the group's status words, and marks the group broken so later
+// barriers return at once: a missing rank becomes an error at Group::check(), never a hang.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/ep_kernels.h"
+
+namespace epx::comm {
+
+struct SignalArgs {
+  uint32_t* const* peer_inbox;  // [R] device pointers to each rank's inbox (LSA pointers)
+  uint32_t* my_inbox;           // [R] this rank's inbox
+  uint32_t* epoch;              // device counter of barriers passed
+  int32_t* status;              // [kStatusWords]
+  int rank, R;
+  uint64_t timeout_ns;
+};
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/// Called by every thread of ONE block; returns when all peers arrived (or the wait gave up).
+__device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code) {
+  __shared__ uint32_t next_s;
+  if (threadIdx.x == 0) next_s = *a.epoch + 1;
+  __syncthreads();
+  const uint32_t next = next_s;
+  const bool broken = a.status[7] != 0;
+  __threadfence_system();  // this rank's earlier writes into peers' windows before the signal
+  for (int p = threadIdx.x; p < a.R; p += blockDim.x)
+    if (p != a.rank) store_release_sys(a.peer_inbox[p] + a.rank, next);
+  if (!broken) {
+    for (int p = threadIdx.x; p < a.R; p += blockDim.x) {
+      if (p == a.rank) continue;
+      const uint64_t start = global_ns();
+      while (static_cast<int32_t>(load_acquire_sys(a.my_inbox + p) - next) < 0) {
+        if (global_ns() - start > a.timeout_ns) {
+          atomicOr(reinterpret_cast<uint32_t*>(&a.status[p < 32 ? 5 : 6]), 1u << (p & 31));
+          atomicCAS(reinterpret_cast<uint32_t*>(&a.status[7]), 0u, static_cast<uint32_t>(op_code));
+          a.status[8] = static_cast<int32_t>(next);
+          break;
+        }
+        __nanosleep(64);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *a.epoch = next;
+  __threadfence_system();
+  __syncthreads();
+}
+
+}  // namespace epx::comm

@@ -1,0 +1,28 @@
+// Comparison of EP outputs with the reference. Bit-exact: layout, dispatched bytes and weights,
+// combine and dispatch_backward (same fp32 order per element), d_y (one multiply, one rounding),
+// d_topk_weights (copied). Tolerance: d_row_weights (a warp reduction, not a sequential sum).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "common/ep_scenario.h"
+#include "gpu/gpu_test_util.h"
+
+namespace epx::testing {
+
+inline void expect_same_ep_outputs(const EpOutputs& got, const EpOutputs& want, int rank) {
+  SCOPED_TRACE(detail::concat("rank ", rank));
+  ASSERT_EQ(got.routed, want.routed) << "kept routing";
+  ASSERT_EQ(got.offsets, want.offsets) << "expert offsets";
+  const int64_t used = want.used_rows();
+  auto rows = [used](const Tensor& t) { return t.ref().slice_rows(0, used); };
+  EXPECT_TRUE(bit_equal(rows(got.recv_x), rows(want.recv_x))) << "recv_x";
+  EXPECT_TRUE(bit_equal(rows(got.recv_w), rows(want.recv_w))) << "recv_weights";
+  EXPECT_TRUE(bit_equal(got.out, want.out)) << "combine out";
+  EXPECT_TRUE(bit_equal(rows(got.d_y), rows(want.d_y))) << "combine_backward d_y";
+  EXPECT_TRUE(all_close(rows(got.d_row_w), rows(want.d_row_w), 1e-4, 1e-4)) << "d_row_weights";
+  EXPECT_TRUE(bit_equal(got.d_x, want.d_x)) << "dispatch_backward d_x";
+  EXPECT_TRUE(bit_equal(got.d_topk_w, want.d_topk_w)) << "dispatch_backward d_topk_weights";
+}
+
+}  // namespace epx::testing
