@@ -39,8 +39,8 @@
 //
 // Errors: every argument is validated once (dtypes, 2-D shapes, scales exactly quant_scale_shape
 // with quant_scale_dtype, one device for all tensors) and a violation throws epx::Error naming the
-// function, the argument, what it has and what was expected. CUDA tensors are not supported yet
-// (Status::kNotSupported).
+// function, the argument, what it has and what was expected. CUDA tensors run the kernels of
+// src/cuda/quant, bit for bit the same results.
 #pragma once
 
 #include <cstdint>

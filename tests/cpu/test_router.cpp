@@ -864,14 +864,6 @@ TEST(RouterValidation, Devices) {
   TensorRef cuda_bias(counts.data(), DType::kF32, {8}, Device::cuda(0));
   expect_error([&] { update_expert_bias(cuda_bias, counts, 0.1f); },
                "epx::update_expert_bias: counts is on cpu, expected cuda:0");
-  // Everything on one CUDA device: valid, but not served yet.
-  RouterConfig c = basic(8, 2);
-  TensorRef l(a.logits.data(), DType::kF32, {4, 8}, Device::cuda(0));
-  TensorRef w(a.w.data(), DType::kF32, {4, 2}, Device::cuda(0));
-  expect_error([&] { route_forward(c, l, TensorRef(), cuda_idx, w, RouterStats{}); },
-               "epx::route_forward: CUDA tensors are not supported by this op yet", Status::kNotSupported);
-  expect_error([&] { update_expert_bias(cuda_bias, cuda_bias, 0.1f); },
-               "epx::update_expert_bias: CUDA tensors are not supported by this op yet", Status::kNotSupported);
 }
 
 TEST(RouterValidation, CountRouted) {

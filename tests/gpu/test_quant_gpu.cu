@@ -21,6 +21,7 @@
 
 #include "core/device_memory.h"
 #include "cuda/quant/quant.h"
+#include "cuda/quant/quant_kernels.cuh"
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
@@ -301,17 +302,21 @@ TEST(QuantGpu, NaNIsCanonicalAndInfSaturates) {
 // Both kernel variants and the loops over row tiles / block rows / strips, on the same data.
 TEST(QuantGpu, ForcedElementwiseKernelsAndGridLoops) {
   EPX_REQUIRE_GPU();
-  cuda::QuantTuning tunings[3];
+  constexpr int kTunings = 5;
+  cuda::QuantTuning tunings[kTunings];
   tunings[0].force_scalar = true;
   tunings[1].max_grid_y = 1;
   tunings[2].force_scalar = true;
   tunings[2].max_grid_y = 3;
+  tunings[3].rows_per_thread = 8;
+  tunings[4].rows_per_thread = 8;
+  tunings[4].max_grid_y = 2;
   uint32_t seed = 300;
   for (const MN& s : {MN{300, 256}, MN{67, 300}, MN{1000, 64}, MN{129, 7168}})
     for (DType t : kInputDtypes) {
       const Tensor x = host_matrix(s.M, s.N, special_values(s.M, s.N, seed++), t);
       for (auto [r, mode] : recipe_modes())
-        for (int k = 0; k < 3; ++k)
+        for (int k = 0; k < kTunings; ++k)
           expect_quantize_matches(r, mode, x, "tuning " + std::to_string(k) + " " + label(r, mode, t, s.M, s.N),
                                   &tunings[k]);
     }
@@ -373,6 +378,22 @@ TEST(QuantGpu, MisalignedScalePointerIsRefused) {
   }
 }
 
+TEST(QuantGpu, BadTuningIsRefused) {
+  EPX_REQUIRE_GPU();
+  Tensor x = Tensor::zeros({4, 128}, DType::kBF16, Device::cuda(0));
+  Tensor q = Tensor::zeros({4, 128}, DType::kF8E4M3, Device::cuda(0));
+  Tensor s = Tensor::zeros({4, 1}, DType::kF32, Device::cuda(0));
+  cuda::QuantTuning bad;
+  bad.rows_per_thread = 3;
+  try {
+    cuda::quantize(QuantRecipe::kFp8Block1x128, x, q, s, E8M0Rounding::kFloor, Stream{}, bad);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("rows_per_thread is 3"), std::string::npos) << e.what();
+  }
+}
+
 TEST(QuantGpu, EmptyMatricesLaunchNothing) {
   EPX_REQUIRE_GPU();
   for (QuantRecipe r : kAllRecipes)
@@ -423,6 +444,65 @@ TEST(QuantGpu, RunsOnAStreamAndUnderGraphCapture) {
     cudaGraphDestroy(graph);
   }
   cudaStreamDestroy(stream);
+}
+
+// ---- the fusable group helpers, used as a permute kernel would ------------------------------
+
+// One warp per row of bf16, 128 columns per step, each lane 4 consecutive elements: for FP8 the
+// whole warp is one 1x128 block (kGroup 32, kVec 4); for MX each 8 lanes are one 32-block
+// (kGroup 8), 4 blocks per step. Out-of-range elements enter as +0, as the contract asks.
+template <bool kMx>
+__global__ void group_helper_rows_kernel(const __nv_bfloat16* x, uint8_t* q, void* scales, int64_t M, int64_t N,
+                                         int64_t scale_cols, bool ceil_rounding) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= M) return;  // warp-uniform
+  for (int64_t c0 = 0; c0 < N; c0 += 128) {
+    const int64_t j0 = c0 + lane * 4;
+    float v[4];
+    for (int e = 0; e < 4; ++e) v[e] = j0 + e < N ? __bfloat162float(x[row * N + j0 + e]) : 0.0f;
+    uint32_t codes[1];
+    if constexpr (kMx) {
+      const uint32_t bits = cuda::quant::quantize_mx_block_group<8, 4>(v, ceil_rounding, codes);
+      const int64_t block = j0 / 32;
+      if (lane % 8 == 0 && block < scale_cols) static_cast<uint8_t*>(scales)[row * scale_cols + block] = bits;
+    } else {
+      const float sc = cuda::quant::quantize_fp8_block_group<32, 4>(v, codes);
+      if (lane == 0) static_cast<float*>(scales)[row * scale_cols + c0 / 128] = sc;
+    }
+    for (int e = 0; e < 4; ++e)
+      if (j0 + e < N) q[row * N + j0 + e] = static_cast<uint8_t>(codes[0] >> (8 * e));
+  }
+}
+
+TEST(QuantGpu, GroupHelpersMatchReference) {
+  EPX_REQUIRE_GPU();
+  uint32_t seed = 900;
+  for (const MN& s : {MN{37, 7168}, MN{13, 300}, MN{20, 33}}) {
+    const Tensor xh = host_matrix(s.M, s.N, special_values(s.M, s.N, seed++), DType::kBF16);
+    const Tensor xd = to_gpu(xh);
+    for (auto [r, mode] : recipe_modes()) {
+      if (r != QuantRecipe::kFp8Block1x128 && r != QuantRecipe::kMxfp8Rowwise) continue;
+      const QOut want = cpu_quantize(r, xh, mode);
+      Tensor q = Tensor::empty({s.M, s.N}, DType::kF8E4M3, Device::cuda(0));
+      Tensor sc = Tensor::empty(quant_scale_shape(r, s.M, s.N), quant_scale_dtype(r), Device::cuda(0));
+      detail::memset_bytes(q.data(), Device::cuda(0), 0xAB, q.nbytes());
+      detail::memset_bytes(sc.data(), Device::cuda(0), 0xAB, sc.nbytes());
+      const unsigned blocks = static_cast<unsigned>((s.M + 3) / 4);
+      const bool ceil = mode == E8M0Rounding::kCeil;
+      if (r == QuantRecipe::kMxfp8Rowwise)
+        group_helper_rows_kernel<true><<<blocks, 128>>>(xd.ptr<__nv_bfloat16>(), q.ptr<uint8_t>(), sc.data(), s.M, s.N,
+                                                        sc.size(1), ceil);
+      else
+        group_helper_rows_kernel<false><<<blocks, 128>>>(xd.ptr<__nv_bfloat16>(), q.ptr<uint8_t>(), sc.data(), s.M,
+                                                         s.N, sc.size(1), ceil);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::string what = "group helpers " + label(r, mode, DType::kBF16, s.M, s.N);
+      EXPECT_TRUE(bit_equal(q, want.q)) << what << ": q";
+      EXPECT_TRUE(bit_equal(sc, want.scales)) << what << ": scales";
+    }
+  }
 }
 
 // ---- dequantize ---------------------------------------------------------------------------
@@ -498,15 +578,19 @@ TEST(QuantGpuDequant, EveryCodeAndScaleToEveryDtype) {
 
 TEST(QuantGpuDequant, ForcedElementwiseKernelsAndGridLoops) {
   EPX_REQUIRE_GPU();
-  cuda::QuantTuning tunings[2];
+  constexpr int kTunings = 4;
+  cuda::QuantTuning tunings[kTunings];
   tunings[0].force_scalar = true;
   tunings[1].max_grid_y = 2;
+  tunings[2].rows_per_thread = 8;
+  tunings[3].rows_per_thread = 8;
+  tunings[3].max_grid_y = 1;
   uint32_t seed = 700;
-  for (const MN& s : {MN{300, 256}, MN{67, 300}})
+  for (const MN& s : {MN{300, 256}, MN{67, 300}, MN{37, 4096}})
     for (QuantRecipe r : kAllRecipes) {
       const QOut in = random_codes(r, s.M, s.N, seed++);
       for (DType t : kInputDtypes)
-        for (int k = 0; k < 2; ++k)
+        for (int k = 0; k < kTunings; ++k)
           expect_dequantize_matches(r, in, t, "tuning " + std::to_string(k) + " " + quant_recipe_name(r), &tunings[k]);
     }
 }

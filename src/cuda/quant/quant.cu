@@ -62,10 +62,49 @@ dim3 make_grid(const char* fn, int64_t gx, int64_t tiles, const QuantTuning& tun
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(tiles, 1), cap)), 1);
 }
 
+// Requested rows per thread, 0 = auto.
+int requested_rows(const char* fn, const QuantTuning& tuning) {
+  require(tuning.rows_per_thread == 0 || tuning.rows_per_thread == 4 || tuning.rows_per_thread == 8, fn,
+          "tuning.rows_per_thread is ", tuning.rows_per_thread, ", expected 0 (auto), 4 or 8");
+  return tuning.rows_per_thread;
+}
+
+// Rows per thread of the row-recipe quantize kernel when not asked: 4 (5 CTAs/SM). Measured on
+// H200, bf16 [M, 7168], % of copy bandwidth, 1x128 / MX rowwise: M = 4096: 4 rows 82.0 / 83.6,
+// 8 rows 77.8 / 77.5; M = 32768: 4 rows 97.6 / 99.9, 8 rows 98.9 / 97.4. Eight rows only pay off
+// while the per-row work is heavy; with the current kernel they lose at 4096 rows and tie at 32768.
+constexpr int kAutoRows = 4;
+
 void debug_print(const char* fn, QuantRecipe recipe, const TensorRef& x, const char* kernel, bool vec, dim3 grid) {
   if (!debug_enabled()) return;
   std::fprintf(stderr, "[epx] %s: %s %s %s kernel=%s vec16=%d grid=(%u,%u) block=%d\n", fn, quant_recipe_name(recipe),
                dtype_name(x.dtype()), x.shape().str().c_str(), kernel, vec ? 1 : 0, grid.x, grid.y, kThreads);
+}
+
+// Row recipes: kRows rows per thread in the vector kernel, 4 in the element-wise one.
+template <class T, bool kMx, int kRows>
+void launch_rowwise(const char* fn, QuantRecipe recipe, const TensorRef& x, uint8_t* qp, void* sp, bool vec, bool ceil,
+                    cudaStream_t stream, const QuantTuning& tuning) {
+  constexpr int kElems = quant::Vec<T>::kElems;
+  constexpr int64_t kBc = kMx ? 32 : 128;
+  const int64_t M = x.size(0), N = x.size(1);
+  const T* xp = x.ptr<const T>();
+  const int64_t scale_cols = ceil_div(N, kBc);
+  // Lanes per row: whole groups for every block, the partial last one included.
+  const int64_t lanes = scale_cols * (kBc / kElems);
+  const int64_t gx = ceil_div(lanes, quant::kRowLanesX);
+  if (vec) {
+    const int64_t tiles = ceil_div(M, quant::row_tile<kRows>());
+    const dim3 grid = make_grid(fn, gx, tiles, tuning);
+    debug_print(fn, recipe, x, kRows == 8 ? "quantize_rowwise_kernel<rows=8>" : "quantize_rowwise_kernel<rows=4>", true, grid);
+    quant::quantize_rowwise_kernel<T, kMx, true, kRows><<<grid, kThreads, 0, stream>>>(xp, qp, sp, M, N, scale_cols, tiles, ceil);
+  } else {
+    const int64_t tiles = ceil_div(M, quant::row_tile<4>());
+    const dim3 grid = make_grid(fn, gx, tiles, tuning);
+    debug_print(fn, recipe, x, "quantize_rowwise_kernel<rows=4>", false, grid);
+    quant::quantize_rowwise_kernel<T, kMx, false, 4><<<grid, kThreads, 0, stream>>>(xp, qp, sp, M, N, scale_cols, tiles, ceil);
+  }
+  EPX_CHECK_LAUNCH("quantize_rowwise_kernel");
 }
 
 template <class T>
@@ -84,22 +123,13 @@ void quantize_typed(QuantRecipe recipe, const TensorRef& x, const TensorRef& q, 
     case QuantRecipe::kFp8Block1x128:
     case QuantRecipe::kMxfp8Rowwise: {
       const bool mx = recipe == QuantRecipe::kMxfp8Rowwise;
-      const int64_t bc = mx ? 32 : 128;
-      const int64_t scale_cols = ceil_div(N, bc);
-      // Lanes per row: whole groups for every block, the partial last one included.
-      const int64_t lanes = scale_cols * (bc / kElems);
-      const int64_t tiles = ceil_div(M, quant::kRowTile);
-      const dim3 grid = make_grid(fn, ceil_div(lanes, quant::kRowLanesX), tiles, tuning);
-      debug_print(fn, recipe, x, "quantize_rowwise_kernel", vec, grid);
+      const int requested = requested_rows(fn, tuning);
+      const bool eight = (requested ? requested : kAutoRows) == 8;
       void* sp = scales.data();
-      if (mx) {
-        if (vec) quant::quantize_rowwise_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(xp, qp, sp, M, N, scale_cols, tiles, ceil);
-        else quant::quantize_rowwise_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(xp, qp, sp, M, N, scale_cols, tiles, ceil);
-      } else {
-        if (vec) quant::quantize_rowwise_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(xp, qp, sp, M, N, scale_cols, tiles, ceil);
-        else quant::quantize_rowwise_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(xp, qp, sp, M, N, scale_cols, tiles, ceil);
-      }
-      EPX_CHECK_LAUNCH("quantize_rowwise_kernel");
+      if (mx && eight) launch_rowwise<T, true, 8>(fn, recipe, x, qp, sp, vec, ceil, stream, tuning);
+      else if (mx) launch_rowwise<T, true, 4>(fn, recipe, x, qp, sp, vec, ceil, stream, tuning);
+      else if (eight) launch_rowwise<T, false, 8>(fn, recipe, x, qp, sp, vec, ceil, stream, tuning);
+      else launch_rowwise<T, false, 4>(fn, recipe, x, qp, sp, vec, ceil, stream, tuning);
       return;
     }
     case QuantRecipe::kFp8Block128x128: {
@@ -134,15 +164,22 @@ void dequantize_shape(const TensorRef& q, const TensorRef& scales, const TensorR
   const uint8_t* qp = q.ptr<const uint8_t>();
   TOut* op = x_out.ptr<TOut>();
   const void* sp = scales.data();
-  // Vector path: 16-byte loads of codes (and of E8M0 rows for colwise), 16-byte stores of x_out.
+  // Vector path: 4/8-byte loads of codes (and of E8M0 rows for colwise), 16-byte stores of x_out;
+  // with N % 16 == 0 every chunk (4 or 8 codes, starting at a multiple of its size) is aligned and
+  // wholly inside its row.
   const bool vec = !tuning.force_scalar && N % quant::kDequantCodes == 0 && aligned_to(qp, 16) && aligned_to(op, 16) &&
                    (kBc != 1 || aligned_to(sp, 16));
-  const int64_t tiles = ceil_div(M, quant::kRowTile);
-  const dim3 grid = make_grid(fn, ceil_div(ceil_div(N, quant::kDequantCodes), quant::kRowLanesX), tiles, tuning);
-  debug_print(fn, recipe, x_out, "dequantize_kernel", vec, grid);
+  // 4 rows unless asked: 8 was slower for every recipe at both benchmark sizes (H200), most for
+  // MX colwise (its E8M0 rows double the registers).
+  const int requested = requested_rows(fn, tuning);
+  const int rows = vec && requested == 8 ? 8 : 4;
+  const int64_t tiles = ceil_div(M, quant::kRowLanesY * rows);
+  const dim3 grid = make_grid(fn, ceil_div(N, quant::kDequantCtaCols), tiles, tuning);
+  debug_print(fn, recipe, x_out, rows == 8 ? "dequantize_kernel<rows=8>" : "dequantize_kernel<rows=4>", vec, grid);
   const int64_t scale_cols = scales.size(1);
-  if (vec) quant::dequantize_kernel<TOut, kBr, kBc, true><<<grid, kThreads, 0, stream>>>(qp, sp, op, M, N, scale_cols, tiles);
-  else quant::dequantize_kernel<TOut, kBr, kBc, false><<<grid, kThreads, 0, stream>>>(qp, sp, op, M, N, scale_cols, tiles);
+  if (!vec) quant::dequantize_kernel<TOut, kBr, kBc, false, 4><<<grid, kThreads, 0, stream>>>(qp, sp, op, M, N, scale_cols, tiles);
+  else if (rows == 8) quant::dequantize_kernel<TOut, kBr, kBc, true, 8><<<grid, kThreads, 0, stream>>>(qp, sp, op, M, N, scale_cols, tiles);
+  else quant::dequantize_kernel<TOut, kBr, kBc, true, 4><<<grid, kThreads, 0, stream>>>(qp, sp, op, M, N, scale_cols, tiles);
   EPX_CHECK_LAUNCH("dequantize_kernel");
 }
 

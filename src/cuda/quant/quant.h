@@ -20,6 +20,10 @@ struct QuantTuning {
   int max_grid_y = 0;
   /// Run the element-wise kernels even where the 16-byte ones apply (tests, debugging).
   bool force_scalar = false;
+  /// Rows each thread keeps in flight in the row-recipe (1x128, MX rowwise) and dequantize vector
+  /// kernels: 4 or 8; 0 = auto (4: measured best or tied on H200 for every recipe).
+  /// The element-wise kernels always use 4.
+  int rows_per_thread = 0;
 };
 
 /// x [M, N] fp32/bf16/fp16 -> q [M, N] e4m3 and scales (quant_scale_shape / quant_scale_dtype).

@@ -1,12 +1,15 @@
 // Device code of the FP8 block and MXFP8 quantization (semantics: include/epx/quant.h; oracle:
 // src/ref/quant.cpp). Every kernel reproduces the reference bit for bit:
-// - amax is the max of |x| over FINITE elements, taken on the fp32 bit patterns: for non-negative
-//   floats the integer order is the float order, NaN and +-inf are mapped to 0 (they cannot win),
-//   and an integer max is exact and order-independent, so a shuffle tree gives the same amax as the
+// - amax is the max of |x| over FINITE elements. Within a thread it is an fmaxf chain (maxNum
+//   ignores NaN; a lane that met an infinity recomputes without it); across threads it is an
+//   integer max of the fp32 bit patterns (for non-negative floats the integer order is the float
+//   order). max is exact and order-independent, so a shuffle tree gives the same amax as the
 //   reference's sequential loop.
 // - FP8 blocks: a = max(amax, 1e-4f); r = __fdiv_rn(448, a) once per block; each element
-//   cvt.rn.satfinite.e4m3(__fmul_rn(x, r)); scale = __fdiv_rn(a, 448). The intrinsics pin IEEE
-//   division and a lone multiply: nothing can be contracted into an fma or replaced by a reciprocal.
+//   cvt.rn.satfinite.e4m3(__fmul_rn(x, r)). The intrinsics pin IEEE division and a lone multiply:
+//   nothing can be contracted into an fma or replaced by a reciprocal. The stored scale RN(a / 448)
+//   is computed by a multiply and an fma correction that is exact for this fixed divisor over the
+//   whole range of a (see fp8_block_scale).
 // - MXFP8: the E8M0 bits come straight from amax's exponent field (floor: E - 8; ceil: one more when
 //   the mantissa exceeds 1.75), clamped at 0; a subnormal or zero amax gives 0. The element is
 //   x * 2^(127 - bits), a multiply by a normal power of two (bits <= 247 for any finite fp32 amax),
@@ -45,6 +48,25 @@ __device__ __forceinline__ uint32_t finite_abs_bits(float v) {
   return a < 0x7f800000u ? a : 0u;
 }
 
+/// This lane's finite amax over v[] as fp32 bits. fmaxf is IEEE maxNum: a NaN operand never
+/// wins, so the common path is one FMNMX (with the |.| modifier) per element; only an infinity
+/// can win, and then (rarely, lane-local, no shuffles) the max is taken again without it.
+template <int kVec>
+__device__ __forceinline__ uint32_t lane_finite_amax_bits(const float (&v)[kVec]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) m = fmaxf(m, fabsf(v[e]));
+  if (m == __uint_as_float(0x7f800000u)) {
+    m = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float a = fabsf(v[e]);
+      if (a < __uint_as_float(0x7f800000u)) m = fmaxf(m, a);  // false for +inf and NaN
+    }
+  }
+  return __float_as_uint(m);  // +0 or a positive finite float: its bits order like its value
+}
+
 /// Max over the kGroup consecutive lanes of an aligned lane group (kGroup a power of two <= 32).
 /// Every lane of the warp must call it (full-mask shuffles); xor offsets below kGroup never leave
 /// the group.
@@ -60,9 +82,16 @@ __device__ __forceinline__ uint32_t group_max(uint32_t v) {
 __device__ __forceinline__ float fp8_block_multiplier(uint32_t amax_bits) {
   return __fdiv_rn(kE4M3Max, fmaxf(__uint_as_float(amax_bits), kAmaxFloor));
 }
-/// FP8 block scale max(amax, 1e-4) / 448 as stored (not 1 / multiplier).
+/// FP8 block scale max(amax, 1e-4) / 448 as stored (not 1 / multiplier), correctly rounded
+/// without a division: q = a * RN(1/448), then one fma residual correction. For a divisor fixed
+/// at 448 this returns exactly RN(a / 448) for EVERY fp32 a in [1e-4, FLT_MAX] (checked
+/// exhaustively on the host: 1,185,827,049 values, no difference); a = max(amax, 1e-4) never
+/// leaves that range, so the result is bit-identical to the reference's division.
 __device__ __forceinline__ float fp8_block_scale(uint32_t amax_bits) {
-  return __fdiv_rn(fmaxf(__uint_as_float(amax_bits), kAmaxFloor), kE4M3Max);
+  constexpr float kInv448 = 0x1.24924ap-9f;  // RN(1 / 448)
+  const float a = fmaxf(__uint_as_float(amax_bits), kAmaxFloor);
+  const float q = __fmul_rn(a, kInv448);
+  return __fmaf_rn(__fmaf_rn(-q, kE4M3Max, a), kInv448, q);
 }
 
 /// MXFP8 E8M0 bits from the finite amax's bit pattern (< 0x7f800000).
@@ -139,10 +168,7 @@ __device__ __forceinline__ uint32_t encode_e4m3x4(float a, float b, float c, flo
 template <int kGroup, int kVec>
 __device__ __forceinline__ float quantize_fp8_block_group(const float (&v)[kVec], uint32_t (&codes)[kVec / 4]) {
   static_assert(kVec % 4 == 0, "kVec must be a multiple of 4");
-  uint32_t amax = 0;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) amax = max(amax, finite_abs_bits(v[e]));
-  amax = group_max<kGroup>(amax);
+  const uint32_t amax = group_max<kGroup>(lane_finite_amax_bits(v));
   const float mul = fp8_block_multiplier(amax);
 #pragma unroll
   for (int w = 0; w < kVec / 4; ++w) codes[w] = encode_e4m3x4(v[4 * w], v[4 * w + 1], v[4 * w + 2], v[4 * w + 3], mul);
@@ -153,10 +179,7 @@ template <int kGroup, int kVec>
 __device__ __forceinline__ uint32_t quantize_mx_block_group(const float (&v)[kVec], bool ceil_rounding,
                                                             uint32_t (&codes)[kVec / 4]) {
   static_assert(kVec % 4 == 0, "kVec must be a multiple of 4");
-  uint32_t amax = 0;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) amax = max(amax, finite_abs_bits(v[e]));
-  amax = group_max<kGroup>(amax);
+  const uint32_t amax = group_max<kGroup>(lane_finite_amax_bits(v));
   const uint32_t bits = mx_scale_bits(amax, ceil_rounding);
   const float inv = mx_inv_scale(bits);
 #pragma unroll
@@ -248,8 +271,9 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ q, int64_t i, 
 
 // ================================================================================================
 // Row recipes (1x128 and MX rowwise): blocks of one row.
-// CTA = 128 column lanes x 2 row lanes; a thread owns one 16-byte column vector in kRowsPerThread
-// rows of a tile of kRowTile rows, issues all their loads first, then quantizes row by row. A block
+// CTA = 128 column lanes x 2 row lanes; a thread owns one 16-byte column vector in kRows rows of a
+// tile of 2 * kRows rows, issues all their loads first (kRows x 16 bytes in flight per thread),
+// then quantizes row by row. A block
 // of bc columns is covered by kGroup = bc / kElems consecutive lanes of one warp (128 and 32 are
 // multiples of kGroup, so groups never straddle warps or CTAs). grid.x covers the column blocks of
 // a row, grid.y strides over row tiles.
@@ -257,15 +281,27 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ q, int64_t i, 
 
 constexpr int kRowLanesX = 128;
 constexpr int kRowLanesY = kThreads / kRowLanesX;  // 2
-constexpr int kRowsPerThread = 4;
-constexpr int kRowTile = kRowLanesY * kRowsPerThread;  // 8 rows per CTA iteration
+/// Rows per CTA iteration when each thread keeps kRows rows in flight.
+template <int kRows>
+constexpr int row_tile() {
+  return kRowLanesY * kRows;
+}
 
-template <class T, bool kMx, bool kAligned>
-__global__ void __launch_bounds__(kThreads) quantize_rowwise_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
+/// Minimum resident CTAs per SM the row kernels are compiled for: caps registers at 51 (4 rows)
+/// or 64 (8 rows). Measured on H200 (bf16 [4096, 7168]) with an earlier version of this kernel:
+/// uncapped, the compiler took 52-56 registers, 4 CTAs fit instead of 5, and 1x128 lost ~5%.
+template <int kRows>
+constexpr int row_min_blocks() {
+  return kRows >= 8 ? 4 : 5;
+}
+
+template <class T, bool kMx, bool kAligned, int kRows>
+__global__ void __launch_bounds__(kThreads, row_min_blocks<kRows>()) quantize_rowwise_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
                                                                     void* __restrict__ scales, int64_t M, int64_t N,
                                                                     int64_t scale_cols, int64_t row_tiles,
                                                                     bool ceil_rounding) {
   constexpr int kElems = Vec<T>::kElems;
+  constexpr int kRowTile = row_tile<kRows>();
   constexpr int kBlockCols = kMx ? 32 : 128;
   constexpr int kGroup = kBlockCols / kElems;
   static_assert(kRowLanesX % kGroup == 0 && 32 % kGroup == 0, "lane groups must stay inside a warp");
@@ -280,11 +316,14 @@ __global__ void __launch_bounds__(kThreads) quantize_rowwise_kernel(const T* __r
 
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
     const int64_t i0 = tile * kRowTile + ty;
-    Raw16 raw[kRowsPerThread];
+    Raw16 raw[kRows];
 #pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) raw[r] = load_vec<T, kAligned>(x, i0 + r * kRowLanesY, j0, M, N);
+    for (int r = 0; r < kRows; ++r) raw[r] = load_vec<T, kAligned>(x, i0 + r * kRowLanesY, j0, M, N);
+    // Row by row through the fusable group helpers. (Interleaving the rows' amax / shuffle /
+    // division phases was measured slower on H200: it raises register pressure, and occupancy
+    // matters more here than the per-row latency chain.)
 #pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int64_t i = i0 + r * kRowLanesY;
       float v[kElems];
 #pragma unroll
@@ -425,13 +464,21 @@ __global__ void __launch_bounds__(kThreads) quantize_mx_colwise_kernel(const T* 
 }
 
 // ================================================================================================
-// Dequantize: x_out = e4m3 * scale (one fp32 multiply), stored with RNE. A thread owns 16 codes of a
-// row (one 16-byte load) in kRowsPerThread rows; the CTA layout is that of the row recipes. For
-// kBc >= 16 the 16 codes (j0 a multiple of 16) share one scale; for kBc == 1 (MX colwise) each has
-// its own, 16 contiguous bytes of the scale row i / 32.
+// Dequantize: x_out = e4m3 * scale (one fp32 multiply), stored with RNE. The CTA layout is that of
+// the row recipes (128 column lanes x 2 row lanes, kRows rows per thread, all loads of a tile
+// issued before the first use). A warp owns a span of 512 columns of a row; a thread owns 16 of
+// them as kChunks chunks of kC = 16 / sizeof(TOut) codes, chunk k of lane l at span offset
+// k * 32 * kC + l * kC. So every warp-wide store instruction writes 512 contiguous bytes of x_out
+// (whole 32-byte sectors), and every load reads 32 * kC contiguous codes. (Giving each thread 16
+// adjacent codes instead makes each 16-byte store instruction fill half of every sector it touches;
+// measured on H200 that sent up to 1.6x the write sectors to L2 and made it the bottleneck.)
+// Scales: kBc >= 16 gives one scale per chunk (a chunk never straddles a block); kBc == 1 (MX
+// colwise) one E8M0 byte per code, kC contiguous bytes of scale row i / 32.
 // ================================================================================================
 
-constexpr int kDequantCodes = 16;
+constexpr int kDequantCodes = 16;                    // codes per thread per row
+constexpr int kDequantSpan = 32 * kDequantCodes;      // columns per warp per row
+constexpr int kDequantCtaCols = 4 * kDequantSpan;     // 128 column lanes = 4 warps
 
 template <class TOut>
 __device__ __forceinline__ uint32_t pack_out2(float a, float b);
@@ -446,6 +493,11 @@ __device__ __forceinline__ uint32_t pack_out2<__half>(float a, float b) {
          (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(b))) << 16);
 }
 
+/// One 16-byte global store.
+__device__ __forceinline__ void store16(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 /// e4m3 codes b0 (low byte) and b1 of a 16-bit pair to fp32 (exact: via f16x2).
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
   uint32_t h2;
@@ -454,93 +506,106 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
                      __half2float(__ushort_as_half(static_cast<unsigned short>(h2 >> 16))));
 }
 
-template <class TOut, int kBr, int kBc, bool kAligned>
+/// kBytes (4 or 8) bytes at p as words; kAligned: p is kBytes-aligned and wholly inside the row,
+/// else byte by byte while col + e < N.
+template <int kBytes, bool kAligned>
+__device__ __forceinline__ void load_bytes(const uint8_t* __restrict__ p, int64_t col, int64_t N,
+                                           uint32_t (&w)[kBytes / 4]) {
+  if constexpr (kAligned) {
+    if constexpr (kBytes == 8) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = u.x;
+      w[1] = u.y;
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kBytes; ++e)
+      if (col + e < N) w[e / 4] |= static_cast<uint32_t>(__ldg(p + e)) << (8 * (e % 4));
+  }
+}
+
+template <class TOut, int kBr, int kBc, bool kAligned, int kRows>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ q,
                                                               const void* __restrict__ scales,
                                                               TOut* __restrict__ out, int64_t M, int64_t N,
                                                               int64_t scale_cols, int64_t row_tiles) {
-  static_assert(kBc == 1 || kBc % kDequantCodes == 0, "16 codes share one scale unless the block is a column");
+  constexpr int kC = 16 / static_cast<int>(sizeof(TOut));  // codes per chunk = one 16-byte store
+  constexpr int kChunks = kDequantCodes / kC;               // 2 (bf16, fp16) or 4 (fp32)
+  constexpr int kW = kC / 4;                                // 32-bit words of codes per chunk
+  static_assert(kBc == 1 || kBc % kC == 0, "a chunk shares one scale unless the block is a column");
   constexpr bool kFp32Scale = kBc == 128;  // the FP8 block recipes; MX scales are E8M0 bytes
+  constexpr int kRowTile = row_tile<kRows>();
+  const int lane = static_cast<int>(threadIdx.x) % 32;
   const int tx = static_cast<int>(threadIdx.x) % kRowLanesX;
   const int ty = static_cast<int>(threadIdx.x) / kRowLanesX;
-  const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kRowLanesX + tx) * kDequantCodes;
-  if (j0 >= N) return;  // no shuffles or barriers below: idle threads may leave
+  const int64_t span0 = static_cast<int64_t>(blockIdx.x) * kDequantCtaCols + (tx / 32) * kDequantSpan;
+  if (span0 >= N) return;  // no shuffles or barriers below: idle warps may leave
 
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
     const int64_t i0 = tile * kRowTile + ty;
-    uint32_t code[kRowsPerThread][4];
+    // Codes AND scales of every row are requested before the first use, so a thread waits for
+    // memory once per tile, not once per row.
+    uint32_t code[kRows][kChunks][kW];
+    uint32_t sraw[kRows][kChunks][kBc == 1 ? kW : 1];
 #pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int64_t i = i0 + r * kRowLanesY;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) code[r][w] = 0u;
-      if (i >= M) continue;
-      if constexpr (kAligned) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(q + i * N + j0));
-        code[r][0] = u.x;
-        code[r][1] = u.y;
-        code[r][2] = u.z;
-        code[r][3] = u.w;
-      } else {
+      for (int k = 0; k < kChunks; ++k) {
 #pragma unroll
-        for (int e = 0; e < kDequantCodes; ++e)
-          if (j0 + e < N) code[r][e / 4] |= static_cast<uint32_t>(__ldg(q + i * N + j0 + e)) << (8 * (e % 4));
+        for (int w = 0; w < kW; ++w) code[r][k][w] = 0u;
+#pragma unroll
+        for (int w = 0; w < (kBc == 1 ? kW : 1); ++w) sraw[r][k][w] = 0u;
+        const int64_t j = span0 + k * 32 * kC + lane * kC;
+        if (i >= M || j >= N) continue;
+        const int64_t srow = (i / kBr) * scale_cols;
+        load_bytes<kC, kAligned>(q + i * N + j, j, N, code[r][k]);
+        if constexpr (kBc == 1) {
+          load_bytes<kC, kAligned>(static_cast<const uint8_t*>(scales) + srow + j, j, N, sraw[r][k]);
+        } else if constexpr (kFp32Scale) {
+          sraw[r][k][0] = __float_as_uint(__ldg(static_cast<const float*>(scales) + srow + j / kBc));
+        } else {
+          sraw[r][k][0] = __ldg(static_cast<const uint8_t*>(scales) + srow + j / kBc);
+        }
       }
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const int64_t i = i0 + r * kRowLanesY;
-      if (i >= M) continue;
-      const int64_t srow = (i / kBr) * scale_cols;
-      float sc[kDequantCodes];
-      if constexpr (kBc == 1) {
-        const uint8_t* sp = static_cast<const uint8_t*>(scales) + srow + j0;
-        uint32_t sb[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int64_t j = span0 + k * 32 * kC + lane * kC;
+        if (i >= M || j >= N) continue;
+        float v[kC];
+#pragma unroll
+        for (int p = 0; p < kC / 2; ++p) {
+          float s0, s1;
+          if constexpr (kBc == 1) {
+            s0 = e8m0_to_float((sraw[r][k][(2 * p) / 4] >> (8 * ((2 * p) % 4))) & 0xffu);
+            s1 = e8m0_to_float((sraw[r][k][(2 * p + 1) / 4] >> (8 * ((2 * p + 1) % 4))) & 0xffu);
+          } else if constexpr (kFp32Scale) {
+            s0 = s1 = __uint_as_float(sraw[r][k][0]);
+          } else {
+            s0 = s1 = e8m0_to_float(sraw[r][k][0]);
+          }
+          const float2 f = e4m3x2_to_float2(code[r][k][p / 2] >> (16 * (p % 2)));
+          v[2 * p] = __fmul_rn(f.x, s0);
+          v[2 * p + 1] = __fmul_rn(f.y, s1);
+        }
+        TOut* o = out + i * N + j;
         if constexpr (kAligned) {
-          const uint4 u = __ldg(reinterpret_cast<const uint4*>(sp));
-          sb[0] = u.x;
-          sb[1] = u.y;
-          sb[2] = u.z;
-          sb[3] = u.w;
+          if constexpr (sizeof(TOut) == 4)
+            store16(o, __float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+          else
+            store16(o, pack_out2<TOut>(v[0], v[1]), pack_out2<TOut>(v[2], v[3]), pack_out2<TOut>(v[4], v[5]),
+                    pack_out2<TOut>(v[6], v[7]));
         } else {
 #pragma unroll
-          for (int e = 0; e < kDequantCodes; ++e)
-            if (j0 + e < N) sb[e / 4] |= static_cast<uint32_t>(__ldg(sp + e)) << (8 * (e % 4));
+          for (int e = 0; e < kC; ++e)
+            if (j + e < N) o[e] = from_float<TOut>(v[e]);
         }
-#pragma unroll
-        for (int e = 0; e < kDequantCodes; ++e) sc[e] = e8m0_to_float((sb[e / 4] >> (8 * (e % 4))) & 0xffu);
-      } else {
-        float s;
-        if constexpr (kFp32Scale) s = __ldg(static_cast<const float*>(scales) + srow + j0 / kBc);
-        else s = e8m0_to_float(__ldg(static_cast<const uint8_t*>(scales) + srow + j0 / kBc));
-#pragma unroll
-        for (int e = 0; e < kDequantCodes; ++e) sc[e] = s;
-      }
-      float v[kDequantCodes];
-#pragma unroll
-      for (int p = 0; p < kDequantCodes / 2; ++p) {
-        const float2 f = e4m3x2_to_float2(code[r][p / 2] >> (16 * (p % 2)));
-        v[2 * p] = __fmul_rn(f.x, sc[2 * p]);
-        v[2 * p + 1] = __fmul_rn(f.y, sc[2 * p + 1]);
-      }
-      TOut* o = out + i * N + j0;
-      if constexpr (kAligned) {
-        if constexpr (sizeof(TOut) == 4) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            reinterpret_cast<uint4*>(o)[k] = make_uint4(__float_as_uint(v[4 * k]), __float_as_uint(v[4 * k + 1]),
-                                                        __float_as_uint(v[4 * k + 2]), __float_as_uint(v[4 * k + 3]));
-        } else {
-#pragma unroll
-          for (int k = 0; k < 2; ++k)
-            reinterpret_cast<uint4*>(o)[k] =
-                make_uint4(pack_out2<TOut>(v[8 * k], v[8 * k + 1]), pack_out2<TOut>(v[8 * k + 2], v[8 * k + 3]),
-                           pack_out2<TOut>(v[8 * k + 4], v[8 * k + 5]), pack_out2<TOut>(v[8 * k + 6], v[8 * k + 7]));
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < kDequantCodes; ++e)
-          if (j0 + e < N) o[e] = from_float<TOut>(v[e]);
       }
     }
   }
