@@ -4,7 +4,8 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [tests] [memcheck] [bench] [multigpu]   (default: all but multigpu)
+# usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench]
+#   (default: build tests memcheck bench; mptests and epbench need 2 GPUs)
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,9 +65,23 @@ if has bench; then
   cat "$OUT/bench.jsonl"
 fi
 
-if has multigpu; then
-  n=$(nvidia-smi -L | wc -l)
-  summary "multigpu: $n GPUs"
-  [ -x "$BUILD/tests/epx_tests_multigpu" ] && "$BUILD/tests/epx_tests_multigpu" >"$OUT/multigpu.log" 2>&1
+if has mptests; then
+  scripts/run_ranks.sh 2 "$BUILD/tests/epx_tests_multigpu" >"$OUT/multigpu.log" 2>&1
+  rc=$?
+  grep -E "Failure|error" -A6 "$OUT/multigpu.log" | head -40
+  summary "multi-process tests (2 ranks): rc=$rc $(grep -E '\[  (PASSED|FAILED) ' "$OUT/multigpu.log" | sort | uniq -c | tr '\n' ' ')"
+fi
+
+if has epbench; then
+  [ -f "$OUT/bench.jsonl" ] || : >"$OUT/bench.jsonl"
+  timeout 300 "$BUILD/bin/bench_ep" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
+  if [ -f .carry/bench/torch_ep_baseline.py ]; then
+    for shape in "--tokens 4096 --hidden 7168 --experts 256" "--tokens 128 --hidden 7168 --experts 256" \
+                 "--tokens 4096 --hidden 4096 --experts 64"; do
+      PYTHONUNBUFFERED=1 timeout 240 python3 .carry/bench/torch_ep_baseline.py $shape --modes dc --iters 10 \
+        >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "torch_ep_baseline failed for $shape"
+    done
+  fi
+  grep -E 'dispatch' "$OUT/bench.jsonl"
 fi
 cat "$OUT/summary.txt"

@@ -1,5 +1,7 @@
 // Public entry points of the router: validate the config and every argument once, then run the
-// CPU reference for host tensors (the CUDA kernels will plug in where CUDA tensors are refused).
+// CPU reference for host tensors or the CUDA kernels (src/cuda/router) for device tensors; the
+// CUDA launchers add only their own limits (E <= 512, K <= 16, G <= 16, no fp64 logits), raised as
+// kNotSupported before any work is queued.
 //
 // Dtype rules: logits fp32, bf16 or fp64; the "float" dtype of an op (topk_weights,
 // d_topk_weights and every stats tensor) is fp64 for fp64 logits and fp32 otherwise, so that one
@@ -14,6 +16,10 @@
 #include "epx/error.h"
 #include "epx/router.h"
 #include "ref/router.h"
+
+#ifdef EPX_HAVE_CUDA
+#include "cuda/router/router.h"
+#endif
 
 namespace epx {
 
@@ -89,8 +95,10 @@ void check_all_on(const char* fn, Device dev, std::initializer_list<std::pair<co
   for (auto& [name, t] : ts) check_device(fn, name, *t, dev);
 }
 
+// Device tensors reach here only in a build without the CUDA backend.
 void require_host(const char* fn, Device dev) {
-  require_status(dev.is_cpu(), Status::kNotSupported, fn, "CUDA tensors are not supported by this op yet");
+  require_status(dev.is_cpu(), Status::kNotSupported, fn,
+                 "CUDA tensors need the CUDA backend, which this build of epx lacks");
 }
 
 }  // namespace
@@ -141,6 +149,10 @@ void route_forward(const RouterConfig& config, const TensorRef& logits, const Te
   check_all_on(fn, logits.device(),
                {{"expert_bias", &expert_bias}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights},
                 {"stats.prob_sum", &stats.prob_sum}, {"stats.scalars", &stats.scalars}});
+#ifdef EPX_HAVE_CUDA
+  if (logits.device().is_cuda())
+    return cuda::route_forward(config, logits, expert_bias, topk_idx, topk_weights, stats, stream);
+#endif
   require_host(fn, logits.device());
   ref::route_forward(config, logits, expert_bias, topk_idx, topk_weights, stats);
 }
@@ -157,6 +169,9 @@ void count_routed(const RouterConfig& config, const TensorRef& routed_experts, c
   const int64_t S = sequences(fn, config, "routed_experts", T);
   check_tensor(fn, "stats.counts", stats.counts, {S, E}, {DType::kF32, DType::kF64});
   check_all_on(fn, routed_experts.device(), {{"stats.counts", &stats.counts}});
+#ifdef EPX_HAVE_CUDA
+  if (routed_experts.device().is_cuda()) return cuda::count_routed(config, routed_experts, stats, stream);
+#endif
   require_host(fn, routed_experts.device());
   ref::count_routed(config, routed_experts, stats);
 }
@@ -183,6 +198,9 @@ void router_losses(const RouterConfig& config, const RouterStats& stats, const T
   check_stat(fn, config, "stats.scalars", stats.scalars, need.scalars, {2}, {fdt});
   check_all_on(fn, losses.device(),
                {{"stats.prob_sum", &stats.prob_sum}, {"stats.counts", &stats.counts}, {"stats.scalars", &stats.scalars}});
+#ifdef EPX_HAVE_CUDA
+  if (losses.device().is_cuda()) return cuda::router_losses(config, stats, losses, stream);
+#endif
   require_host(fn, losses.device());
   ref::router_losses(config, stats, losses);
 }
@@ -213,6 +231,10 @@ void route_backward(const RouterConfig& config, const TensorRef& logits, const T
                {{"expert_bias", &expert_bias}, {"topk_idx", &topk_idx}, {"d_topk_weights", &d_topk_weights},
                 {"stats.prob_sum", &stats.prob_sum}, {"stats.counts", &stats.counts},
                 {"stats.scalars", &stats.scalars}, {"d_logits", &d_logits}});
+#ifdef EPX_HAVE_CUDA
+  if (logits.device().is_cuda())
+    return cuda::route_backward(config, logits, topk_idx, d_topk_weights, stats, d_aux, d_z, d_logits, stream);
+#endif
   require_host(fn, logits.device());
   ref::route_backward(config, logits, topk_idx, d_topk_weights, stats, d_aux, d_z, d_logits);
 }
@@ -225,6 +247,9 @@ void update_expert_bias(const TensorRef& expert_bias, const TensorRef& counts, f
   check_tensor(fn, "counts", counts, {E}, {DType::kF32, DType::kF64});
   require(finite_nonneg(rate), fn, "rate is ", rate, ", expected a finite value >= 0");
   check_all_on(fn, expert_bias.device(), {{"counts", &counts}});
+#ifdef EPX_HAVE_CUDA
+  if (expert_bias.device().is_cuda()) return cuda::update_expert_bias(expert_bias, counts, rate, stream);
+#endif
   require_host(fn, expert_bias.device());
   ref::update_expert_bias(expert_bias, counts, rate);
 }

@@ -1,0 +1,395 @@
+// Launchers of the CUDA router (kernels and their invariants: router_kernels.cuh).
+//
+// Chunking of route_forward's statistics. With Ct = max(8, ceil(T / kMaxChunks)) and L the tokens
+// per sequence (T in global mode, seq_len in sequence mode):
+//   L <= Ct: a chunk is a whole sequence (C = L, bps = 1) and writes prob_sum[s] itself;
+//   L >  Ct: chunks of C = Ct tokens, bps = ceil(L / Ct) per sequence, reduced by the tree.
+// In the second case S = T / L < T / Ct <= kMaxChunks and S * bps < T / Ct + S < 2 kMaxChunks =
+// kRows0, bps <= kMaxChunks so a sequence has at most 16 fan-in groups, and a sequence with more
+// than one group has L > 32 Ct, so S < 16 and S * groups <= 256 < kRows1: the scratch below always
+// suffices (re-checked at run time). Blocks: min(chunks, kMaxChunks), looping over chunks, so the
+// per-block scalar leaves also fit. Every one of these numbers depends on (T, seq_len) only, which is
+// what makes the reductions' order, hence their bits, the same run to run.
+#include "cuda/router/router.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "cuda/common/cuda_check.h"
+#include "cuda/router/router_kernels.cuh"
+#include "epx/error.h"
+
+namespace epx::cuda {
+namespace {
+
+namespace rk = router_kernels;
+
+static_assert(kRouterMaxExperts == rk::kMaxExperts && kRouterMaxTopk == rk::kMaxTopk &&
+                  kRouterMaxGroups == rk::kMaxGroups,
+              "router.h and router_kernels.cuh disagree on the limits");
+static_assert(kRouterStatusBadExpertId == rk::kStatusBadId && kRouterStatusRepeatedExpertId == rk::kStatusRepeatedId,
+              "status bits disagree");
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    EPX_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) EPX_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// Scratch of one (device, stream): the stats reduction rows and tickets, and the status word.
+// Tickets are returned to 0 by the kernel that completes them, so they are zeroed only here.
+struct Scratch {
+  float* rows0 = nullptr;
+  float* rows1 = nullptr;
+  float* leaf_lse = nullptr;
+  unsigned long long* leaf_cnt = nullptr;
+  unsigned* cnt1 = nullptr;
+  unsigned* cnt2 = nullptr;
+  unsigned* ticket = nullptr;
+  unsigned* status = nullptr;
+};
+
+Scratch& scratch_for(int device, cudaStream_t stream) {
+  static std::mutex mu;
+  // Never destroyed: the memory lives as long as the process (freeing it at exit would race the
+  // driver's own teardown).
+  static auto* cache = new std::map<std::pair<int, cudaStream_t>, Scratch>();
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(device, stream);
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+
+  size_t off = 0;
+  auto take = [&off](size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t o_rows0 = take(sizeof(float) * rk::kRows0 * rk::kMaxExperts);
+  const size_t o_rows1 = take(sizeof(float) * rk::kRows1 * rk::kMaxExperts);
+  const size_t o_lse = take(sizeof(float) * rk::kMaxChunks);
+  const size_t o_cnt = take(sizeof(unsigned long long) * rk::kMaxChunks);
+  const size_t o_zero = off;
+  const size_t o_cnt1 = take(sizeof(unsigned) * rk::kRows0);
+  const size_t o_cnt2 = take(sizeof(unsigned) * rk::kMaxChunks);
+  const size_t o_ticket = take(sizeof(unsigned));
+  const size_t o_status = take(sizeof(unsigned));
+  char* base = nullptr;
+  EPX_CUDA_CHECK(cudaMalloc(&base, off));
+  EPX_CUDA_CHECK(cudaMemsetAsync(base + o_zero, 0, off - o_zero, stream));
+  Scratch s;
+  s.rows0 = reinterpret_cast<float*>(base + o_rows0);
+  s.rows1 = reinterpret_cast<float*>(base + o_rows1);
+  s.leaf_lse = reinterpret_cast<float*>(base + o_lse);
+  s.leaf_cnt = reinterpret_cast<unsigned long long*>(base + o_cnt);
+  s.cnt1 = reinterpret_cast<unsigned*>(base + o_cnt1);
+  s.cnt2 = reinterpret_cast<unsigned*>(base + o_cnt2);
+  s.ticket = reinterpret_cast<unsigned*>(base + o_ticket);
+  s.status = reinterpret_cast<unsigned*>(base + o_status);
+  return cache->emplace(key, s).first->second;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Experts per lane: the smallest power of two with 32 * V >= E.
+int lanes_v(int E) {
+  int v = 1;
+  while (32 * v < E) v *= 2;
+  return v;
+}
+
+void check_limits(const char* fn, const RouterConfig& c) {
+  require_status(c.num_experts <= kRouterMaxExperts, Status::kNotSupported, fn, "config.num_experts is ",
+                 c.num_experts, ", the CUDA router supports at most ", kRouterMaxExperts, " experts");
+  require_status(c.topk <= kRouterMaxTopk, Status::kNotSupported, fn, "config.topk is ", c.topk,
+                 ", the CUDA router supports at most ", kRouterMaxTopk);
+  require_status(c.num_groups <= kRouterMaxGroups, Status::kNotSupported, fn, "config.num_groups is ", c.num_groups,
+                 ", the CUDA router supports at most ", kRouterMaxGroups, " groups");
+}
+
+void check_logits(const char* fn, DType dt) {
+  require_status(dt == DType::kF32 || dt == DType::kBF16, Status::kNotSupported, fn, "logits are ", dtype_name(dt),
+                 ", the CUDA router takes fp32 or bf16 logits (fp64 is the CPU reference's finite-difference mode)");
+}
+
+int score_kind(ScoreFunction f) {
+  switch (f) {
+    case ScoreFunction::kSoftmax: return rk::kScoreSoftmax;
+    case ScoreFunction::kSoftmaxAfterTopk: return rk::kScoreSoftmaxAfterTopk;
+    case ScoreFunction::kSigmoid: return rk::kScoreSigmoid;
+  }
+  return rk::kScoreSoftmax;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <int V, class LT>
+void launch_forward(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  switch (sf) {
+    case rk::kScoreSoftmax:
+      rk::route_forward_kernel<V, LT, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+    case rk::kScoreSoftmaxAfterTopk:
+      rk::route_forward_kernel<V, LT, rk::kScoreSoftmaxAfterTopk><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+    default:
+      rk::route_forward_kernel<V, LT, rk::kScoreSigmoid><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+  }
+  EPX_CHECK_LAUNCH("route_forward_kernel");
+}
+
+template <class LT>
+void launch_forward_v(int V, int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  switch (V) {
+    case 1: launch_forward<1, LT>(sf, grid, s, p); break;
+    case 2: launch_forward<2, LT>(sf, grid, s, p); break;
+    case 4: launch_forward<4, LT>(sf, grid, s, p); break;
+    case 8: launch_forward<8, LT>(sf, grid, s, p); break;
+    default: launch_forward<16, LT>(sf, grid, s, p); break;
+  }
+}
+
+template <class LT>
+void launch_backward_v(int V, int grid, cudaStream_t s, const rk::BwdParams& p) {
+  switch (V) {
+    case 1: rk::route_backward_kernel<1, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
+    case 2: rk::route_backward_kernel<2, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
+    case 4: rk::route_backward_kernel<4, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
+    case 8: rk::route_backward_kernel<8, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
+    default: rk::route_backward_kernel<16, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
+  }
+  EPX_CHECK_LAUNCH("route_backward_kernel");
+}
+
+}  // namespace
+
+void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorRef& expert_bias,
+                   const TensorRef& topk_idx, const TensorRef& topk_weights, const RouterStats& stats,
+                   Stream stream) {
+  const char* fn = "epx::route_forward";
+  check_limits(fn, c);
+  check_logits(fn, logits.dtype());
+  const int device = logits.device().index;
+  DeviceGuard guard(device);
+  const cudaStream_t s = to_cuda(stream);
+  const int64_t T = logits.size(0);
+  const int E = c.num_experts, K = c.topk;
+  float* prob = stats.prob_sum.defined() ? stats.prob_sum.ptr<float>() : nullptr;
+  float* scal = stats.scalars.defined() ? stats.scalars.ptr<float>() : nullptr;
+  if (T == 0) {  // the stats are written as zeros (an empty prob_sum in sequence mode)
+    if (prob != nullptr && stats.prob_sum.nbytes() > 0)
+      EPX_CUDA_CHECK(cudaMemsetAsync(prob, 0, stats.prob_sum.nbytes(), s));
+    if (scal != nullptr) EPX_CUDA_CHECK(cudaMemsetAsync(scal, 0, stats.scalars.nbytes(), s));
+    return;
+  }
+  const Scratch& sc = scratch_for(device, s);
+
+  rk::FwdParams p{};
+  p.logits = logits.data();
+  p.bias = expert_bias.defined() ? expert_bias.ptr<float>() : nullptr;
+  p.topk_idx = topk_idx.data();
+  p.topk_w = topk_weights.ptr<float>();
+  p.prob_sum = prob;
+  p.scalars = scal;
+  p.T = T;
+  p.E = E;
+  p.K = K;
+  p.G = c.num_groups;
+  p.group_topk = c.num_groups > 1 ? c.group_topk : 0;
+  p.per = E / c.num_groups;
+  p.idx64 = topk_idx.dtype() == DType::kI64;
+  p.normalize = c.normalize_weights;
+  p.scale = c.routed_scaling_factor;
+  const int elem = static_cast<int>(dtype_size(logits.dtype()));
+  p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
+
+  const int64_t L = c.aux_loss == AuxLossType::kSequence ? c.seq_len : T;
+  const int64_t S = T / L;
+  const int64_t ct = std::max<int64_t>(8, ceil_div(T, rk::kMaxChunks));
+  if (L <= ct) {
+    p.C = L;
+    p.bps = 1;
+  } else {
+    p.C = ct;
+    p.bps = ceil_div(L, ct);
+    const int64_t groups = ceil_div(p.bps, rk::kFanIn);
+    require_status(S * p.bps <= rk::kRows0 && (groups == 1 || S * groups <= rk::kRows1) && groups <= rk::kFanIn,
+                   Status::kInternal, fn, "stats chunking out of its scratch (T = ", T, ", seq_len = ", L, ")");
+  }
+  p.L = L;
+  p.nchunks = S * p.bps;
+  p.rows0 = sc.rows0;
+  p.rows1 = sc.rows1;
+  p.cnt1 = sc.cnt1;
+  p.cnt2 = sc.cnt2;
+  p.leaf_lse = sc.leaf_lse;
+  p.leaf_cnt = sc.leaf_cnt;
+  p.scal_ticket = sc.ticket;
+
+  const int V = lanes_v(E);
+  // Grouped selection relies on a lane touching at most two groups (E / G > V, or V = 1).
+  require_status(c.num_groups == 1 || V == 1 || p.per > V, Status::kInternal, fn, "group width ", p.per,
+                 " not above the ", V, " experts per lane");
+  const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, rk::kMaxChunks));
+  const int sf = score_kind(c.score_function);
+  if (logits.dtype() == DType::kF32)
+    launch_forward_v<float>(V, sf, grid, s, p);
+  else
+    launch_forward_v<__nv_bfloat16>(V, sf, grid, s, p);
+}
+
+void count_routed(const RouterConfig& c, const TensorRef& routed, const RouterStats& stats, Stream stream) {
+  const char* fn = "epx::count_routed";
+  check_limits(fn, c);
+  const int device = routed.device().index;
+  DeviceGuard guard(device);
+  const cudaStream_t s = to_cuda(stream);
+  const TensorRef& counts = stats.counts;
+  if (counts.nbytes() > 0) EPX_CUDA_CHECK(cudaMemsetAsync(counts.data(), 0, counts.nbytes(), s));
+  const int64_t T = routed.size(0);
+  if (T == 0) return;
+  const Scratch& sc = scratch_for(device, s);
+  const bool seq = c.aux_loss == AuxLossType::kSequence;
+  const int64_t L = seq ? c.seq_len : T;
+  const int grid = static_cast<int>(std::min<int64_t>(ceil_div(T, 256), 4LL * sm_count()));
+  const int idx64 = routed.dtype() == DType::kI64;
+  if (counts.dtype() == DType::kF64)
+    rk::count_routed_kernel<double><<<grid, 256, 0, s>>>(routed.data(), idx64, T, c.topk, c.num_experts, L, !seq,
+                                                         counts.ptr<double>(), sc.status);
+  else
+    rk::count_routed_kernel<float><<<grid, 256, 0, s>>>(routed.data(), idx64, T, c.topk, c.num_experts, L, !seq,
+                                                        counts.ptr<float>(), sc.status);
+  EPX_CHECK_LAUNCH("count_routed_kernel");
+}
+
+void router_losses(const RouterConfig& c, const RouterStats& stats, const TensorRef& losses, Stream stream) {
+  const int device = losses.device().index;
+  DeviceGuard guard(device);
+  const cudaStream_t s = to_cuda(stream);
+  const int mode = c.aux_loss == AuxLossType::kGlobalBatch ? 1 : c.aux_loss == AuxLossType::kSequence ? 2 : 0;
+  const int64_t S = mode == 2 ? stats.prob_sum.size(0) : 1;
+  DType fdt = DType::kF32;
+  for (const TensorRef* t : {&stats.scalars, &stats.prob_sum, &stats.counts})
+    if (t->defined()) {
+      fdt = t->dtype();
+      break;
+    }
+  auto run = [&](auto acc_tag, auto out_tag) {
+    using Acc = decltype(acc_tag);
+    using Out = decltype(out_tag);
+    const Acc* prob = mode != 0 ? stats.prob_sum.ptr<Acc>() : nullptr;
+    const Acc* cnt = mode != 0 ? stats.counts.ptr<Acc>() : nullptr;
+    const Acc* scal = stats.scalars.defined() ? stats.scalars.ptr<Acc>() : nullptr;
+    rk::router_losses_kernel<Acc, Out><<<1, 256, 0, s>>>(
+        prob, cnt, scal, losses.ptr<Out>(), c.num_experts, c.topk, S, mode, static_cast<Acc>(c.aux_loss_coeff),
+        static_cast<Acc>(c.z_loss_coeff), static_cast<Acc>(c.seq_len));
+    EPX_CHECK_LAUNCH("router_losses_kernel");
+  };
+  const bool out64 = losses.dtype() == DType::kF64;
+  if (fdt == DType::kF64) {
+    if (out64)
+      run(double(), double());
+    else
+      run(double(), float());
+  } else {
+    if (out64)
+      run(float(), double());
+    else
+      run(float(), float());
+  }
+}
+
+void route_backward(const RouterConfig& c, const TensorRef& logits, const TensorRef& topk_idx,
+                    const TensorRef& d_topk_weights, const RouterStats& stats, double d_aux, double d_z,
+                    const TensorRef& d_logits, Stream stream) {
+  const char* fn = "epx::route_backward";
+  check_limits(fn, c);
+  check_logits(fn, logits.dtype());
+  const int device = logits.device().index;
+  DeviceGuard guard(device);
+  const cudaStream_t s = to_cuda(stream);
+  const int64_t T = logits.size(0);
+  if (T == 0) return;
+  const Scratch& sc = scratch_for(device, s);
+  const int E = c.num_experts, K = c.topk;
+
+  rk::BwdParams p{};
+  p.logits = logits.data();
+  p.topk_idx = topk_idx.data();
+  p.d_w = d_topk_weights.defined() ? d_topk_weights.ptr<float>() : nullptr;
+  p.scalars = stats.scalars.defined() ? stats.scalars.ptr<float>() : nullptr;
+  p.d_logits = d_logits.data();
+  p.status = sc.status;
+  p.T = T;
+  p.L = c.aux_loss == AuxLossType::kSequence ? c.seq_len : T;
+  p.E = E;
+  p.K = K;
+  p.sf = score_kind(c.score_function);
+  p.idx64 = topk_idx.dtype() == DType::kI64;
+  p.normalize = c.normalize_weights;
+  p.scale = c.routed_scaling_factor;
+  const int elem = static_cast<int>(dtype_size(logits.dtype()));
+  p.vec_ok = aligned16(logits.data()) && aligned16(d_logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
+  // The reference's constant factors, in the same float operations.
+  if (c.aux_loss != AuxLossType::kNone && c.aux_loss_coeff > 0 && d_aux != 0) {
+    const float base =
+        static_cast<float>(d_aux) * c.aux_loss_coeff * static_cast<float>(E) / static_cast<float>(K);
+    p.counts = stats.counts.ptr<float>();
+    p.aux_base = base;
+    if (c.aux_loss == AuxLossType::kGlobalBatch) {
+      p.aux_mode = 1;
+    } else {
+      const float L = static_cast<float>(c.seq_len);
+      p.aux_mode = 2;
+      p.aux_seq = base / (L * L) / static_cast<float>(T / c.seq_len);
+    }
+  }
+  p.z_base = c.z_loss_coeff > 0 && d_z != 0 ? static_cast<float>(d_z) * c.z_loss_coeff : 0.0f;
+
+  const int grid = static_cast<int>(std::min<int64_t>(ceil_div(T, rk::kWarps), 8LL * sm_count()));
+  const int V = lanes_v(E);
+  if (logits.dtype() == DType::kF32)
+    launch_backward_v<float>(V, grid, s, p);
+  else
+    launch_backward_v<__nv_bfloat16>(V, grid, s, p);
+}
+
+void update_expert_bias(const TensorRef& expert_bias, const TensorRef& counts, float rate, Stream stream) {
+  DeviceGuard guard(expert_bias.device().index);
+  const cudaStream_t s = to_cuda(stream);
+  const int64_t E = expert_bias.size(0);
+  if (counts.dtype() == DType::kF64)
+    rk::update_expert_bias_kernel<double><<<1, 1024, 0, s>>>(expert_bias.ptr<float>(), counts.ptr<double>(), E, rate);
+  else
+    rk::update_expert_bias_kernel<float><<<1, 1024, 0, s>>>(expert_bias.ptr<float>(), counts.ptr<float>(), E, rate);
+  EPX_CHECK_LAUNCH("update_expert_bias_kernel");
+}
+
+uint32_t router_status(int device, Stream stream, bool clear) {
+  DeviceGuard guard(device);
+  const cudaStream_t s = to_cuda(stream);
+  const Scratch& sc = scratch_for(device, s);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+  uint32_t v = 0;
+  EPX_CUDA_CHECK(cudaMemcpy(&v, sc.status, sizeof(v), cudaMemcpyDeviceToHost));
+  if (clear) EPX_CUDA_CHECK(cudaMemsetAsync(sc.status, 0, sizeof(unsigned), s));
+  return v;
+}
+
+}  // namespace epx::cuda

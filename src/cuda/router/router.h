@@ -1,0 +1,56 @@
+// CUDA router: the device twin of every op in epx/router.h (semantics there and in
+// src/ref/router.cpp). Host-only declarations: no CUDA types, so src/moe/router_ops.cpp includes it
+// under EPX_HAVE_CUDA.
+//
+// The public entry points validate shapes, dtypes, devices and the config once; these launchers
+// only check what the kernels add (the limits below, fp64 logits) and queue work on `stream`:
+// no host synchronisation, no allocation after the first call per (device, stream), which
+// allocates the small scratch the deterministic reductions use (~3 MB, kept for the process).
+// Call once outside CUDA-graph capture per (device, stream) before capturing.
+//
+// Device-detected problems. Expert ids only the device sees (count_routed's routed_experts,
+// route_backward's topk_idx) that lie outside [-1, E) or repeat within a row are treated as masked
+// (-1) -- the reference throws instead -- and set a bit in a status word kept per (device,
+// stream); router_status() reads it (synchronising the stream: not for hot paths).
+#pragma once
+
+#include <cstdint>
+
+#include "epx/router.h"
+#include "epx/tensor.h"
+
+namespace epx::cuda {
+
+/// Limits of the CUDA kernels (the public ops raise kNotSupported naming them).
+constexpr int kRouterMaxExperts = 512;
+constexpr int kRouterMaxTopk = 16;
+constexpr int kRouterMaxGroups = 16;
+
+/// Status bits (see router_status).
+constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
+constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
+
+/// logits fp32 or bf16 [T, E]; everything else as in epx::route_forward.
+void route_forward(const RouterConfig& config, const TensorRef& logits, const TensorRef& expert_bias,
+                   const TensorRef& topk_idx, const TensorRef& topk_weights, const RouterStats& stats,
+                   Stream stream);
+
+/// stats.counts fp32 or fp64 (exact while every count stays below 2^24 in fp32).
+void count_routed(const RouterConfig& config, const TensorRef& routed_experts, const RouterStats& stats,
+                  Stream stream);
+
+/// losses fp32 or fp64, written on the device from the device stats.
+void router_losses(const RouterConfig& config, const RouterStats& stats, const TensorRef& losses, Stream stream);
+
+/// logits / d_logits fp32 or bf16.
+void route_backward(const RouterConfig& config, const TensorRef& logits, const TensorRef& topk_idx,
+                    const TensorRef& d_topk_weights, const RouterStats& stats, double d_aux, double d_z,
+                    const TensorRef& d_logits, Stream stream);
+
+void update_expert_bias(const TensorRef& expert_bias, const TensorRef& counts, float rate, Stream stream);
+
+/// The status bits recorded by the router ops queued on (device, stream) so far; synchronises the
+/// stream. `clear` resets the word (stream-ordered) after reading it.
+uint32_t router_status(int device, Stream stream, bool clear = true);
+
+}  // namespace epx::cuda
