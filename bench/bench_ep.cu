@@ -6,16 +6,15 @@
 // usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N]   (default: sweep)
 #include <cuda_runtime_api.h>
 
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <random>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "core/device_memory.h"
+#include "core/host_barrier.h"
 #include "core/ep_state.h"
 #include "epx/comm.h"
 #include "epx/layout.h"
@@ -25,26 +24,7 @@ using bench::JsonLine;
 
 namespace {
 
-class HostBarrier {
- public:
-  explicit HostBarrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lk(mu_);
-    const int gen = gen_;
-    if (++count_ == n_) {
-      count_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lk, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int n_, count_ = 0, gen_ = 0;
-};
+using detail::HostBarrier;
 
 double peer_copy_gb_per_s() {
   const size_t bytes = size_t(256) << 20;

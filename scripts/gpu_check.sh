@@ -35,7 +35,7 @@ if has build; then
 fi
 
 if has tests; then
-  "$BUILD/tests/epx_tests_gpu" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+  "$BUILD/tests/epx_tests_gpu" --gtest_filter="${GTEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (FAILED|PASSED|SKIPPED) " "$OUT/gpu_tests.log" | sort | uniq -c | tail -20
   grep -E "Failure|error" -A6 "$OUT/gpu_tests.log" | head -80

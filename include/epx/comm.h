@@ -72,7 +72,10 @@ class Group {
   /// A group of one rank on CUDA device `device` (needs the CUDA backend): every expert is local.
   static Group create_local(const GroupConfig& config, int device = 0);
   /// One process driving several GPUs (default: every visible one): one view per device, created
-  /// together (ncclCommInitAll); use each view from its own thread (run_ranks).
+  /// together (ncclCommInitAll); use each view from its own thread (run_ranks). The devices of one
+  /// process see each other's memory, and CUDA may make a cudaMalloc/cudaFree on one device wait
+  /// for kernels on a peer: do not allocate or free device memory on one rank's thread while a
+  /// collective of another rank is in flight (allocate first, meet at a host barrier, then run).
   static std::vector<Group> create_all_local(const GroupConfig& config, std::vector<int> devices = {});
   /// Borrows an existing NCCL communicator (an ncclComm_t, e.g. PyTorch's): collective over its
   /// ranks. The communicator must outlive the group.

@@ -26,6 +26,15 @@ std::shared_ptr<void> HandlePool::acquire() {
   return std::shared_ptr<void>(block, [self](void* p) { self->release(p); });
 }
 
+void HandlePool::reserve(size_t blocks) {
+  std::lock_guard<std::mutex> lk(mu_);
+  while (all_.size() < blocks) {
+    void* b = detail::device_alloc(bytes_, device_);
+    all_.push_back(b);
+    free_.push_back(b);
+  }
+}
+
 void HandlePool::release(void* block) {
   std::lock_guard<std::mutex> lk(mu_);
   free_.push_back(block);

@@ -22,6 +22,8 @@ class HandlePool : public std::enable_shared_from_this<HandlePool> {
 
   /// A block (allocated on first need); releasing the last reference returns it to the pool.
   std::shared_ptr<void> acquire();
+  /// Allocates blocks up front so that prepare() never calls cudaMalloc while peers wait.
+  void reserve(size_t blocks);
   size_t block_bytes() const { return bytes_; }
   size_t blocks_allocated() const;
 

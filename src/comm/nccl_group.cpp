@@ -146,6 +146,7 @@ class NcclGroup final : public GroupState {
                    "rank ", rank, " cannot reach every peer's memory by load/store (NCCL's LSA team has fewer than ",
                    size, " ranks): the staged transport for such groups is not available in this build");
     pool_ = std::make_shared<HandlePool>(cuda::handle_block_bytes(c, size), r.device);
+    pool_->reserve(4);  // a few layers x microbatches in flight without allocating in prepare()
     dg_.rank = rank;
     dg_.R = size;
     dg_.Le = local_experts;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -101,8 +102,10 @@ struct EpOutputs {
 };
 
 /// Runs the four ops on one rank's view (inputs copied to the group's device) and brings every
-/// output back to the host; outputs are poisoned first so unwritten elements show.
-inline EpOutputs ep_run(Group& g, const EpCase& c) {
+/// output back to the host; outputs are poisoned first so unwritten elements show. `sync` (if
+/// given) is called once every buffer is allocated and once the collectives are done: ranks that
+/// share a process must not allocate while a peer's collective is in flight.
+inline EpOutputs ep_run(Group& g, const EpCase& c, const std::function<void()>& sync = {}) {
   const int64_t cap = g.recv_capacity_rows();
   const EpInputs in = ep_inputs(c, g.rank(), cap);
   const Device dev = g.device();
@@ -118,12 +121,14 @@ inline EpOutputs ep_run(Group& g, const EpCase& c) {
   PrepareOptions opt;
   opt.capacity_factor = c.capacity;
   opt.drop_policy = c.drop;
+  if (sync) sync();
   Handle h = prepare(g, idx, w, opt);
   dispatch_forward(g, h, x, w, recv_x, recv_w);
   combine_forward(g, h, y, recv_w, out);
   combine_backward(g, h, d_out, y, recv_w, d_y, d_row_w);
   dispatch_backward(g, h, d_recv, d_recv_w, d_x, d_topk_w);
   g.check();
+  if (sync) sync();
   EpOutputs o;
   o.offsets = h.expert_offsets_host();
   Tensor r = h.routed_experts().device().is_cpu() ? Tensor::wrap(h.routed_experts(), nullptr).clone()

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/host_barrier.h"
 #include "gpu/ep_compare.h"
 
 namespace epx {
@@ -25,7 +26,8 @@ void compare_all(const EpCase& c, std::vector<Group>& groups) {
   SCOPED_TRACE(c.str());
   const std::vector<EpOutputs> want = testing::ep_reference(c);
   std::vector<EpOutputs> got(c.ranks);
-  run_ranks(groups, [&](Group& g) { got[g.rank()] = testing::ep_run(g, c); });
+  detail::HostBarrier bar(c.ranks);
+  run_ranks(groups, [&](Group& g) { got[g.rank()] = testing::ep_run(g, c, [&] { bar.wait(); }); });
   for (int r = 0; r < c.ranks; ++r) testing::expect_same_ep_outputs(got[r], want[r], r);
 }
 
@@ -102,12 +104,15 @@ TEST_F(EpNcclGpu, AllReduceSumsInRankOrder) {
   auto groups = make(c);
   std::vector<Tensor> back(c.ranks);
   const int64_t n = 40000;  // several reduce chunks
+  detail::HostBarrier bar(c.ranks);
   run_ranks(groups, [&](Group& g) {
     Tensor h = Tensor::empty({n}, DType::kF32);
     for (int64_t i = 0; i < n; ++i) h.ptr<float>()[i] = static_cast<float>(i % 97) + 0.5f * g.rank();
     Tensor d = h.to(g.device());
+    bar.wait();
     all_reduce_sum(g, d);
     g.check();
+    bar.wait();
     back[g.rank()] = d.to(Device::cpu());
   });
   const int R = c.ranks;

@@ -177,7 +177,10 @@ bool well_separated(const RouterConfig& c, const std::vector<double>& l, const s
     }
     for (int a = 0; a < c.num_groups; ++a)
       for (int b = a + 1; b < c.num_groups; ++b)
-        if (gs[a] != gs[b] && std::fabs(gs[a] - gs[b]) <= tol(gmag[a], gmag[b], gs[a], gs[b])) return false;
+        // Infinite group scores (no eligible expert) compare exactly; only finite ones can be near-ties.
+        if (std::isfinite(gs[a]) && std::isfinite(gs[b]) && gs[a] != gs[b] &&
+            std::fabs(gs[a] - gs[b]) <= tol(gmag[a], gmag[b], gs[a], gs[b]))
+          return false;
   }
   return true;
 }
