@@ -102,6 +102,8 @@ struct RankResources {
 // Collective teardown of the ranks one process holds (all of them at once when one process drives
 // several GPUs, so the collective deregistration cannot deadlock).
 void teardown(std::vector<RankResources>& ranks) {
+  int caller_device = 0;
+  cudaGetDevice(&caller_device);  // restored at the end: the caller's current device is not ours to change
   ncclGroupStart();
   for (auto& r : ranks)
     if (r.win) {
@@ -117,6 +119,7 @@ void teardown(std::vector<RankResources>& ranks) {
     if (r.window) ncclMemFree(r.window);
     if (r.owns_comm && r.comm) ncclCommDestroy(r.comm);
   }
+  cudaSetDevice(caller_device);
 }
 
 struct World {
@@ -300,6 +303,7 @@ std::vector<Group> Group::create_all_local(const GroupConfig& config, std::vecto
   for (int d : devices) require(d >= 0 && d < n, fn, "device ", d, " is not visible (", n, " CUDA devices)");
   const int R = static_cast<int>(devices.size());
   config.validate(fn, R);
+  comm::DeviceGuard keep_current(devices[0]);  // ncclCommInitAll and the setup switch devices; restore the caller's
   auto world = std::make_shared<comm::World>();
   world->ranks.resize(R);
   std::vector<ncclComm_t> comms(R);

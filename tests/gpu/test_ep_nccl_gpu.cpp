@@ -2,6 +2,8 @@
 // the host reference of the same R ranks on the same inputs. Skips without two GPUs.
 #include <gtest/gtest.h>
 
+#include <cuda_runtime_api.h>
+
 #include <atomic>
 #include <string>
 #include <vector>
@@ -122,6 +124,25 @@ TEST_F(EpNcclGpu, AllReduceSumsInRankOrder) {
       for (int s = 0; s < R; ++s) want += static_cast<float>(i % 97) + 0.5f * s;
       ASSERT_EQ(back[r].ptr<float>()[i], want) << "rank " << r << " element " << i;
     }
+}
+
+// A group's creation and teardown switch devices internally; the caller's current device must be
+// what it was (later launches on the "current" device would otherwise hit another GPU's memory).
+TEST_F(EpNcclGpu, CreatingAndDestroyingKeepsTheCallersDevice) {
+  EPX_REQUIRE_GPUS(2);
+  EpCase c;
+  c.ranks = gpus();
+  c.E = 8 * c.ranks;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  {
+    auto groups = make(c);
+    int now = -1;
+    ASSERT_EQ(cudaGetDevice(&now), cudaSuccess);
+    EXPECT_EQ(now, 0) << "after creation";
+  }
+  int now = -1;
+  ASSERT_EQ(cudaGetDevice(&now), cudaSuccess);
+  EXPECT_EQ(now, 0) << "after teardown";
 }
 
 TEST_F(EpNcclGpu, MissingRankTimesOutWithItsName) {
