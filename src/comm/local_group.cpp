@@ -5,6 +5,7 @@
 
 #include <memory>
 
+#include "comm/group_status.h"
 #include "comm/handle_pool.h"
 #include "core/device_memory.h"
 #include "core/ep_state.h"
@@ -17,17 +18,7 @@ namespace epx {
 namespace comm {
 namespace {
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    EPX_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) EPX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
+using cuda::DeviceGuard;
 
 class LocalGroup final : public GroupState {
  public:
@@ -88,24 +79,7 @@ class LocalGroup final : public GroupState {
     int32_t s[5];
     EPX_CUDA_CHECK(cudaMemcpy(s, status_.data(), sizeof s, cudaMemcpyDeviceToHost));
     reset_status();
-    if (s[1] != kNoBadPair) {
-      const int K = s[4] > 0 ? s[4] : 1;
-      const int t = s[1] / K, k = s[1] % K;
-      if (s[3] == 2)
-        throw Error(Status::kInvalidArgument,
-                    detail::concat("epx::prepare: topk_idx row ", t, " names expert ", s[2], " twice (slot ", k,
-                                   "); each token picks distinct experts (the slot was treated as masked)"));
-      throw Error(Status::kInvalidArgument,
-                  detail::concat("epx::prepare: topk_idx[", t, ", ", k, "] is ", s[2],
-                                 ", expected -1 (masked) or an expert id in [0, ", config.num_experts,
-                                 ") (the slot was treated as masked)"));
-    }
-    if (s[0] > 0)
-      throw Error(Status::kCapacityExceeded,
-                  detail::concat("epx::dispatch_forward: rank 0 would receive ", recv_capacity_rows + s[0],
-                                 " expert-major rows, more than the group's recv capacity of ", recv_capacity_rows,
-                                 " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
-                                 "nothing was written"));
+    raise_layout_status(s, 0, config.num_experts, recv_capacity_rows);
   }
 
  private:

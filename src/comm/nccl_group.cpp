@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "comm/ep_kernels.h"
+#include "comm/group_status.h"
 #include "comm/handle_pool.h"
 #include "comm/nccl_window.h"
 #include "core/device_memory.h"
@@ -47,17 +48,7 @@ double timeout_seconds(const GroupConfig& c) {
   return 10.0;
 }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    EPX_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) EPX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
+using cuda::DeviceGuard;
 
 // What one rank holds; created in phases because window registration is collective.
 struct RankResources {
@@ -231,28 +222,7 @@ class NcclGroup final : public GroupState {
                                  " never arrived (do all ranks make the same collective calls in the same order?). "
                                  "The group is unusable; destroy it on every rank."));
     }
-    if (s[3] == 3)
-      throw Error(Status::kInvalidArgument, detail::concat("epx::prepare: rank ", s[1], " prepared with top-k ", s[2],
-                                                           ", this rank with ", s[4],
-                                                           " (every rank must prepare the same layer)"));
-    if (s[1] != kNoBadPair) {
-      const int K = s[4] > 0 ? s[4] : 1;
-      const int t = s[1] / K, k = s[1] % K;
-      if (s[3] == 2)
-        throw Error(Status::kInvalidArgument,
-                    detail::concat("epx::prepare: topk_idx row ", t, " names expert ", s[2], " twice (slot ", k,
-                                   "); each token picks distinct experts (the slot was treated as masked)"));
-      throw Error(Status::kInvalidArgument,
-                  detail::concat("epx::prepare: topk_idx[", t, ", ", k, "] is ", s[2],
-                                 ", expected -1 (masked) or an expert id in [0, ", config.num_experts,
-                                 ") (the slot was treated as masked)"));
-    }
-    if (s[0] > 0)
-      throw Error(Status::kCapacityExceeded,
-                  detail::concat("epx::dispatch_forward: rank ", rank, " would receive ", recv_capacity_rows + s[0],
-                                 " expert-major rows, more than the group's recv capacity of ", recv_capacity_rows,
-                                 " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
-                                 "nothing was written"));
+    raise_layout_status(s, rank, config.num_experts, recv_capacity_rows);
   }
 
  private:
@@ -303,7 +273,7 @@ std::vector<Group> Group::create_all_local(const GroupConfig& config, std::vecto
   for (int d : devices) require(d >= 0 && d < n, fn, "device ", d, " is not visible (", n, " CUDA devices)");
   const int R = static_cast<int>(devices.size());
   config.validate(fn, R);
-  comm::DeviceGuard keep_current(devices[0]);  // ncclCommInitAll and the setup switch devices; restore the caller's
+  cuda::DeviceGuard keep_current(devices[0]);  // ncclCommInitAll and the setup switch devices; restore the caller's
   auto world = std::make_shared<comm::World>();
   world->ranks.resize(R);
   std::vector<ncclComm_t> comms(R);

@@ -20,20 +20,7 @@ namespace {
 
 using quant::kThreads;
 
-// Tensors may live on any device: launch on theirs, restore the caller's current device after.
-struct DeviceGuard {
-  int previous = -1;
-  explicit DeviceGuard(int device) {
-    EPX_CUDA_CHECK(cudaGetDevice(&previous));
-    if (previous != device) EPX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && previous >= 0 && now != previous) cudaSetDevice(previous);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-};
+using cuda::DeviceGuard;
 
 bool debug_enabled() {
   static const bool on = [] {

@@ -34,22 +34,7 @@ static_assert(kRouterMaxExperts == rk::kMaxExperts && kRouterMaxTopk == rk::kMax
 static_assert(kRouterStatusBadExpertId == rk::kStatusBadId && kRouterStatusRepeatedExpertId == rk::kStatusRepeatedId,
               "status bits disagree");
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    EPX_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) EPX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
+using cuda::DeviceGuard;
 
 // Scratch of one (device, stream): the stats reduction rows and tickets, and the status word.
 // Tickets are returned to 0 by the kernel that completes them, so they are zeroed only here.
