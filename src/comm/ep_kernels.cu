@@ -26,6 +26,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;
+constexpr int kReduceUnroll = 2;
+constexpr int kSendUnroll = 8;
 constexpr int kMaxK = 32;
 constexpr int kMaxR = 64;
 
@@ -188,17 +190,19 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
     __syncwarp();
     const V* src = reinterpret_cast<const V*>(a.rows + t * a.row_bytes);
     const int64_t n = a.row_bytes / static_cast<int64_t>(sizeof(V));
-    for (int64_t v0 = lane; v0 < n; v0 += 32 * kUnroll) {
-      V val[kUnroll];
+    // kSendUnroll loads per lane in flight before the stores go out (NVLink stores from few SMs
+    // need many bytes outstanding).
+    for (int64_t v0 = lane; v0 < n; v0 += 32 * kSendUnroll) {
+      V val[kSendUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kSendUnroll; ++u)
         if (v0 + u * 32 < n) val[u] = src[v0 + u * 32];
       for (int d = 0; d < g.R; ++d) {
         const int32_t sl = slot_s[warp][d];
         if (sl < 0) continue;
         V* dst = reinterpret_cast<V*>(g.peer_window[d] + g.layout.row_offset(g.rank, sl));
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
+        for (int u = 0; u < kSendUnroll; ++u)
           if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
       }
     }
@@ -332,27 +336,41 @@ __global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
     __syncwarp();
     const P* in = static_cast<const P*>(a.rows_in);
     P* dst = reinterpret_cast<P*>(g.peer_window[s] + g.layout.row_offset(g.rank, slot));
-    for (int64_t v = lane; v < nvec; v += 32) {
-      float acc[N];
+    // kReduceUnroll vectors per lane at a time: K x kReduceUnroll independent loads in flight
+    // (the loop is load-latency bound otherwise); per element the slots still add in order.
+    for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kReduceUnroll) {
+      float acc[kReduceUnroll][N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = 0.0f;
+      for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
       for (int k = 0; k < a.K; ++k) {
         const int32_t r = rows_s[warp][k];
         if (r < 0) continue;
-        const P p = in[r * nvec + v];
-        if (a.row_weights) {
-          const float wk = w_s[warp][k];
+        P p[kReduceUnroll];
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] = fmaf(wk, cuda::to_float(p.v[i]), acc[i]);
-        } else {
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if (v0 + u * 32 < nvec) p[u] = in[r * nvec + v0 + u * 32];
+        const float wk = w_s[warp][k];
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] += cuda::to_float(p.v[i]);
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (a.row_weights) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, cuda::to_float(p[u].v[i]), acc[u][i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[u].v[i]);
+          }
         }
       }
-      P o;
 #pragma unroll
-      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[i]);
-      dst[v] = o;
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (v0 + u * 32 >= nvec) continue;
+        P o;
+#pragma unroll
+        for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
+        dst[v0 + u * 32] = o;
+      }
     }
     __syncwarp();
   }
@@ -626,9 +644,11 @@ void reduce_rows(const DeviceGroup& g, const HandleState& h, int op_code, const 
     constexpr int N = 16 / sizeof(T);
     const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && g.layout.row_bytes % 16 == 0;
     barrier(g, op_code, s);
-    const int send_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, g.send_blocks);
-    if (vec) reduce_send_kernel<T, N><<<send_grid, kThreads, 0, s>>>(a);
-    else reduce_send_kernel<T, 1><<<send_grid, kThreads, 0, s>>>(a);
+    // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
+    // traffic it issues is one row per partial).
+    const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, cuda::sm_count() * 4);
+    if (vec) reduce_send_kernel<T, N><<<reduce_grid, kThreads, 0, s>>>(a);
+    else reduce_send_kernel<T, 1><<<reduce_grid, kThreads, 0, s>>>(a);
     EPX_CHECK_LAUNCH("reduce_send_kernel");
     barrier(g, op_code, s);
     const int sum_grid = grid_for(a.T, cuda::sm_count() * 8);
