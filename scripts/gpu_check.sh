@@ -6,6 +6,7 @@
 #
 # usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs)
+# EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax).
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ if has build; then
 fi
 
 if has tests; then
-  "$BUILD/tests/epx_tests_gpu" --gtest_filter="${GTEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+  "$BUILD/tests/epx_tests_gpu" --gtest_filter="${EPX_TEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (FAILED|PASSED|SKIPPED) " "$OUT/gpu_tests.log" | sort | uniq -c | tail -20
   grep -E "Failure|error" -A6 "$OUT/gpu_tests.log" | head -80
