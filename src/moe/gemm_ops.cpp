@@ -20,6 +20,7 @@
 #include "ref/grouped_gemm.h"
 #ifdef EPX_HAVE_CUDA
 #include "cuda/gemm/dense_gemm.h"
+#include "cuda/gemm/expert_mlp_cuda.h"
 #endif
 
 namespace epx {
@@ -160,7 +161,6 @@ void check_mlp_devices(const char* fn, const MlpTensors& t, const MlpGrads* g) {
     check_all_on(fn, dev,
                  {{"d_y", &g->d_y}, {"d_x", &g->d_x}, {"d_row_weights", &g->d_row_weights}, {"d_w_in", &g->d_w_in},
                   {"d_b_in", &g->d_b_in}, {"d_w_out", &g->d_w_out}, {"d_b_out", &g->d_b_out}});
-  require_host(fn, dev);
 }
 
 }  // namespace
@@ -195,6 +195,9 @@ void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRe
   const int64_t N = y.size(1);
   check_tensor(fn, "w", w, {G, K, N}, {x.dtype()});
   check_all_on(fn, x.device(), {{"w", &w}, {"offsets", &offsets}, {"rows", &rows}, {"y", &y}});
+#ifdef EPX_HAVE_CUDA
+  if (offsets.device().is_cuda()) return cuda::grouped_forward_cuda(x, w, offsets, rows, y, stream);
+#endif
   require_host(fn, x.device());
   ref::grouped_gemm_forward(x, w, offsets, rows, y);
 }
@@ -209,6 +212,9 @@ void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef
   const int64_t K = dx.size(1);
   check_tensor(fn, "w", w, {G, K, N}, {dy.dtype()});
   check_all_on(fn, dy.device(), {{"w", &w}, {"offsets", &offsets}, {"rows", &rows}, {"dx", &dx}});
+#ifdef EPX_HAVE_CUDA
+  if (offsets.device().is_cuda()) return cuda::grouped_dgrad_cuda(dy, w, offsets, rows, dx, stream);
+#endif
   require_host(fn, dy.device());
   ref::grouped_gemm_dgrad(dy, w, offsets, rows, dx);
 }
@@ -224,6 +230,9 @@ void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef
   check_wide_or_same(fn, "dw", dw, {G, K, N}, x.dtype());
   check_accumulate(fn, "dw", dw, accumulate);
   check_all_on(fn, x.device(), {{"dy", &dy}, {"offsets", &offsets}, {"rows", &rows}, {"dw", &dw}});
+#ifdef EPX_HAVE_CUDA
+  if (offsets.device().is_cuda()) return cuda::grouped_wgrad_cuda(x, dy, offsets, rows, dw, accumulate, stream);
+#endif
   require_host(fn, x.device());
   ref::grouped_gemm_wgrad(x, dy, offsets, rows, dw, accumulate);
 }
@@ -233,6 +242,10 @@ void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream str
   const MlpDims d = check_mlp_tensors(fn, config, t);
   check_tensor(fn, "y", t.y, {d.R, d.H}, {t.w_out.dtype()});
   check_mlp_devices(fn, t, nullptr);
+#ifdef EPX_HAVE_CUDA
+  if (t.x.device().is_cuda()) return cuda::expert_mlp_forward_cuda(config, t, stream);
+#endif
+  require_host(fn, t.x.device());
   ref::expert_mlp_forward(config, t);
 }
 
@@ -261,6 +274,10 @@ void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const Mlp
             " is given but the layer has no biases (b_in and b_out are absent)");
   }
   check_mlp_devices(fn, t, &g);
+#ifdef EPX_HAVE_CUDA
+  if (t.x.device().is_cuda()) return cuda::expert_mlp_backward_cuda(config, t, g, stream);
+#endif
+  require_host(fn, t.x.device());
   ref::expert_mlp_backward(config, t, g);
 }
 

@@ -1,0 +1,109 @@
+// Grouped GEMMs on the expert-major layout (device-side group sizes, no host sync) against a dense
+// cuBLASLt GEMM of the same total FLOPs in the same run. JSON lines: shape, time, TFLOP/s, the
+// fraction of the dense GEMM's rate; decode also the weight-read floor at the measured HBM speed.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "cuda/gemm/grouped_gemm_cuda.h"
+#include "epx/grouped_gemm.h"
+
+using namespace epx;
+using bench::JsonLine;
+
+namespace {
+
+Tensor device_random(Shape s, DType dt, uint32_t seed, double scale) {
+  Tensor h = Tensor::empty(s, dt);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0f, static_cast<float>(scale));
+  for (int64_t i = 0; i < h.numel(); ++i) store_from_double(h.data(), dt, i, n(rng));
+  return h.to(Device::cuda(0));
+}
+
+struct LayoutD {
+  Tensor offsets, rows;
+  int64_t total = 0;
+};
+
+LayoutD layout(const std::vector<int>& sizes) {
+  LayoutD L;
+  const int G = static_cast<int>(sizes.size());
+  Tensor o = Tensor::empty({G + 1}, DType::kI32), r = Tensor::empty({G}, DType::kI32);
+  int64_t at = 0;
+  for (int g = 0; g < G; ++g) {
+    o.ptr<int32_t>()[g] = static_cast<int32_t>(at);
+    r.ptr<int32_t>()[g] = sizes[g];
+    at += sizes[g];
+  }
+  o.ptr<int32_t>()[G] = static_cast<int32_t>(at);
+  L.offsets = o.to(Device::cuda(0));
+  L.rows = r.to(Device::cuda(0));
+  L.total = at;
+  return L;
+}
+
+std::vector<int> zipf_sizes(int G, int total, double s) {
+  std::vector<double> w(G);
+  double sum = 0;
+  for (int g = 0; g < G; ++g) sum += (w[g] = 1.0 / std::pow(g + 1.0, s));
+  std::vector<int> out(G);
+  int used = 0;
+  for (int g = 0; g < G; ++g) used += (out[g] = static_cast<int>(total * w[g] / sum) / 8 * 8);
+  out[0] += total - used;
+  return out;
+}
+
+void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward) {
+  const LayoutD L = layout(sizes);
+  const int G = static_cast<int>(sizes.size());
+  Tensor x = device_random({L.total, K}, DType::kBF16, 1, 1.0), w = device_random({G, K, N}, DType::kBF16, 2, 0.02);
+  Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
+  const double flops = 2.0 * L.total * K * N;
+  const double t = bench::time_us([&](int) { grouped_gemm_forward(x, w, L.offsets, L.rows, y); }, 10, 5, 2);
+  Tensor wd = device_random({K, N}, DType::kBF16, 3, 0.02), yd = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
+  const double td = bench::time_us([&](int) { gemm(x, wd, yd); }, 10, 5, 2);
+  JsonLine j;
+  j.add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("groups", G)
+      .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N))
+      .add("time_us", t).add("tflops", flops / t * 1e-6).add("dense_cublas_us", td).add("dense_tflops", flops / td * 1e-6)
+      .add("fraction_of_dense", td / t);
+  const double weight_bytes = 2.0 * G * K * N;
+  j.add("weight_read_floor_us", weight_bytes / hbm * 1e6);
+  j.print();
+  if (!backward) return;
+  Tensor dy = device_random({L.total, N}, DType::kBF16, 4, 1.0), dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
+  Tensor dw = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
+  const double tg = bench::time_us([&](int) { grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx); }, 10, 5, 2);
+  const double tw = bench::time_us([&](int) { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw); }, 10, 5, 2);
+  JsonLine().add("impl", "epx").add("op", "grouped_gemm_dgrad").add("case", name).add("time_us", tg)
+      .add("tflops", flops / tg * 1e-6).add("fraction_of_forward", t / tg).print();
+  JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad").add("case", name).add("time_us", tw)
+      .add("tflops", flops / tw * 1e-6).add("fraction_of_forward", t / tw).print();
+}
+
+}  // namespace
+
+int main() {
+  try {
+    if (!cuda::grouped_gemm_available()) {
+      std::fprintf(stderr, "bench_grouped_gemm: built without CUTLASS: skipped\n");
+      return 0;
+    }
+    const double hbm = bench::measure_hbm_bytes_per_s();
+    run("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048, hbm, true);
+    run("zipf_32_k7168_n2048", zipf_sizes(32, 32768, 1.2), 7168, 2048, hbm, false);
+    run("32x1024_k2048_n7168", std::vector<int>(32, 1024), 2048, 7168, hbm, false);
+    run("8x4096_k4096_n14336", std::vector<int>(8, 4096), 4096, 14336, hbm, false);
+    run("decode_32x16_k7168_n2048", std::vector<int>(32, 16), 7168, 2048, hbm, false);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_grouped_gemm: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

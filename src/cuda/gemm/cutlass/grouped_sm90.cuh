@@ -1,0 +1,199 @@
+// One CUTLASS 3 pointer-array grouped GEMM (TMA + WGMMA, warp-specialised cooperative, persistent),
+// and the setup kernel that builds its per-group problem shapes, pointers and strides from the
+// device-side offsets/rows. Each .cu next to this file instantiates one layout combination, so the
+// three kernels compile in parallel.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <mutex>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/default_epilogue.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cuda/common/cuda_check.h"
+#include "cuda/gemm/grouped_gemm_cuda.h"
+
+namespace epx::cuda::grouped {
+
+using namespace cute;
+
+enum class Mode { kForward, kDgrad, kWgrad };
+
+template <class LayoutA, class LayoutB, class ElementOut>
+struct Kernel {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using ElementA = cutlass::bfloat16_t;
+  using ElementB = cutlass::bfloat16_t;
+  using LayoutC = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 8;
+  static constexpr int kAlignC = 16 / sizeof(ElementOut);
+  using TileShape = cute::Shape<_128, _256, _64>;
+  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, LayoutC*, kAlignC, ElementOut,
+      LayoutC*, kAlignC, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB, LayoutB*, kAlignAB,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideC = typename GemmKernel::InternalStrideC;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+};
+
+// Sets the one dynamic (int64) mode of a cute stride: the leading dimension.
+template <class S>
+__device__ __forceinline__ S with_ld(int64_t ld) {
+  S s{};
+  if constexpr (cute::is_integral<cute::remove_cvref_t<decltype(cute::get<0>(s))>>::value &&
+                !cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(s))>>::value)
+    cute::get<0>(s) = ld;
+  else
+    cute::get<1>(s) = ld;
+  return s;
+}
+
+template <class K>
+struct Arrays {
+  typename K::Shape3* shapes;
+  const typename K::ElementA** a;
+  const typename K::ElementB** b;
+  const void** c;
+  void** d;
+  typename K::StrideA* sa;
+  typename K::StrideB* sb;
+  typename K::StrideC* sc;
+};
+
+template <class K, class Out>
+__global__ void setup_kernel(Mode mode, Arrays<K> arr, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
+                             int64_t out_group_stride, int64_t Kd, int64_t N, const int32_t* offsets,
+                             const int32_t* rows, int groups) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  const int32_t m = rows[g];
+  const int64_t off = offsets[g];
+  const auto* A = static_cast<const typename K::ElementA*>(a.ptr);
+  const auto* B = static_cast<const typename K::ElementB*>(b.ptr);
+  if (mode == Mode::kWgrad) {
+    // out_g [Kd, N] = a_g^T . b_g: the contraction runs over the group's rows.
+    arr.shapes[g] = typename K::Shape3(m > 0 ? static_cast<int>(Kd) : 0, static_cast<int>(N), m);
+    arr.a[g] = A + off * a.ld;
+    arr.b[g] = B + off * b.ld;
+    Out* o = out + g * out_group_stride;
+    arr.c[g] = o;
+    arr.d[g] = o;
+    arr.sc[g] = with_ld<typename K::StrideC>(N);
+  } else {
+    arr.shapes[g] = typename K::Shape3(m, static_cast<int>(N), static_cast<int>(Kd));
+    arr.a[g] = A + off * a.ld;
+    arr.b[g] = B + g * b.group_stride;
+    Out* o = out + off * ld_out;
+    arr.c[g] = o;
+    arr.d[g] = o;
+    arr.sc[g] = with_ld<typename K::StrideC>(ld_out);
+  }
+  arr.sa[g] = with_ld<typename K::StrideA>(a.ld);
+  arr.sb[g] = with_ld<typename K::StrideB>(b.ld);
+}
+
+// Per-device cached arrays and workspace, grown on demand (outside the hot path after the first
+// call of a shape class; a CUDA graph must be captured after a warm-up call).
+struct Cache {
+  void* arrays = nullptr;
+  size_t arrays_bytes = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+inline Cache& cache_for(int kernel_id) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, Cache> caches;
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lk(mu);
+  return caches[{dev, kernel_id}];
+}
+
+template <class K, class Out>
+void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
+         int64_t out_group_stride, int64_t Kd, int64_t N, float beta, const int32_t* offsets, const int32_t* rows,
+         int groups, Stream stream) {
+  if (groups == 0) return;
+  cudaStream_t s = to_cuda(stream);
+  Cache& c = cache_for(kernel_id);
+  auto up = [](size_t n) { return (n + 255) / 256 * 256; };
+  const size_t G = static_cast<size_t>(groups);
+  const size_t need = up(G * sizeof(typename K::Shape3)) + 4 * up(G * sizeof(void*)) + up(G * sizeof(typename K::StrideA)) +
+                      up(G * sizeof(typename K::StrideB)) + up(G * sizeof(typename K::StrideC));
+  if (c.arrays_bytes < need) {
+    if (c.arrays) EPX_CUDA_CHECK(cudaFree(c.arrays));
+    EPX_CUDA_CHECK(cudaMalloc(&c.arrays, need));
+    c.arrays_bytes = need;
+  }
+  char* p = static_cast<char*>(c.arrays);
+  auto take = [&](size_t bytes) {
+    char* at = p;
+    p += up(bytes);
+    return at;
+  };
+  Arrays<K> arr;
+  arr.shapes = reinterpret_cast<typename K::Shape3*>(take(G * sizeof(typename K::Shape3)));
+  arr.a = reinterpret_cast<const typename K::ElementA**>(take(G * sizeof(void*)));
+  arr.b = reinterpret_cast<const typename K::ElementB**>(take(G * sizeof(void*)));
+  arr.c = reinterpret_cast<const void**>(take(G * sizeof(void*)));
+  arr.d = reinterpret_cast<void**>(take(G * sizeof(void*)));
+  arr.sa = reinterpret_cast<typename K::StrideA*>(take(G * sizeof(typename K::StrideA)));
+  arr.sb = reinterpret_cast<typename K::StrideB*>(take(G * sizeof(typename K::StrideB)));
+  arr.sc = reinterpret_cast<typename K::StrideC*>(take(G * sizeof(typename K::StrideC)));
+  setup_kernel<K, Out><<<(groups + 127) / 128, 128, 0, s>>>(mode, arr, a, b, out, ld_out, out_group_stride, Kd, N,
+                                                            offsets, rows, groups);
+  EPX_CHECK_LAUNCH("grouped setup_kernel");
+
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = dev;
+  hw.sm_count = sm_count();
+  using ElementOut = Out;
+  typename K::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, arr.shapes, nullptr},
+      {arr.a, arr.sa, arr.b, arr.sb},
+      {{}, reinterpret_cast<const ElementOut**>(arr.c), arr.sc, reinterpret_cast<ElementOut**>(arr.d), arr.sc},
+      hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = beta;
+  typename K::Gemm gemm;
+  require_status(gemm.can_implement(args) == cutlass::Status::kSuccess, Status::kNotSupported, "epx::grouped_gemm",
+                 "CUTLASS cannot run this grouped problem (K = ", Kd, ", N = ", N,
+                 "; rows and columns must be multiples of 8 elements)");
+  const size_t ws = K::Gemm::get_workspace_size(args);
+  if (c.workspace_bytes < ws) {
+    if (c.workspace) EPX_CUDA_CHECK(cudaFree(c.workspace));
+    EPX_CUDA_CHECK(cudaMalloc(&c.workspace, ws));
+    c.workspace_bytes = ws;
+  }
+  require_status(gemm.initialize(args, c.workspace, s) == cutlass::Status::kSuccess, Status::kCudaError,
+                 "epx::grouped_gemm", "CUTLASS initialize failed");
+  require_status(gemm.run(s) == cutlass::Status::kSuccess, Status::kCudaError, "epx::grouped_gemm",
+                 "CUTLASS run failed");
+  EPX_CHECK_LAUNCH("CUTLASS grouped GEMM");
+}
+
+}  // namespace epx::cuda::grouped

@@ -1,0 +1,313 @@
+// The expert FFN and the public grouped GEMMs on the GPU, composed from the CUTLASS grouped
+// kernels (grouped_gemm_cuda.h) and small elementwise kernels.
+//
+// Forward:  a_p = x . w_in[:, p] (bf16, one grouped GEMM per projection, written into a's strided
+//           [rows, P, F] slots) -> h = act(a) [* w_row] (bf16; padding rows of a, h and y zeroed)
+//           -> y = h . w_out.
+// Backward: d_h = d_y . w_out^T (fp32) -> d_a (bf16) and d_row_weights from the saved a ->
+//           d_x = sum_p d_a_p . w_in[:, p]^T accumulated in fp32, rounded once -> weight
+//           gradients by grouped wgrad (fp32, empty experts zero).
+// Differences from the reference, within bf16 rounding: the activation reads the rounded a (the
+// GEMM writes bf16), d_h and d_a are rounded where the reference keeps fp32, and sums run in the
+// tensor cores' order. Biases and the FP8 precisions are not on this path yet (kNotSupported).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/dtype_cuda.cuh"
+#include "cuda/gemm/expert_mlp_cuda.h"
+#include "cuda/gemm/grouped_gemm_cuda.h"
+#include "epx/error.h"
+
+namespace epx::cuda {
+namespace {
+
+// Group of an expert-major row by binary search over the padded offsets; -1 past offsets[G].
+__device__ __forceinline__ int group_of(const int32_t* offsets, int G, int64_t r) {
+  if (r >= offsets[G]) return -1;
+  int lo = 0, hi = G - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ float silu(float z) { return z / (1.0f + expf(-z)); }
+__device__ __forceinline__ float gelu_tanh(float z) {
+  return 0.5f * z * (1.0f + tanhf(0.7978845608028654f * (z + 0.044715f * z * z * z)));
+}
+
+__device__ __forceinline__ float act_value(int f, float a0, float a1) {
+  switch (f) {
+    case 0: return silu(a0) * a1;
+    case 1: return gelu_tanh(a0) * a1;
+    case 2: return gelu_tanh(a0);
+    default: {
+      const float r = a0 > 0.0f ? a0 : 0.0f;
+      return r * r;
+    }
+  }
+}
+
+// value and partial derivatives in a0, a1
+__device__ __forceinline__ void act_grad(int f, float a0, float a1, float& v, float& d0, float& d1) {
+  switch (f) {
+    case 0: {
+      const float s = 1.0f / (1.0f + expf(-a0));
+      const float g = a0 * s;
+      v = g * a1;
+      d0 = a1 * s * (1.0f + a0 * (1.0f - s));
+      d1 = g;
+      return;
+    }
+    case 1:
+    case 2: {
+      const float c = 0.7978845608028654f, k = 0.044715f;
+      const float t = tanhf(c * (a0 + k * a0 * a0 * a0));
+      const float g = 0.5f * a0 * (1.0f + t);
+      const float dg = 0.5f * (1.0f + t) + 0.5f * a0 * (1.0f - t * t) * c * (1.0f + 3.0f * k * a0 * a0);
+      if (f == 2) {
+        v = g;
+        d0 = dg;
+        d1 = 0.0f;
+      } else {
+        v = g * a1;
+        d0 = dg * a1;
+        d1 = g;
+      }
+      return;
+    }
+    default: {
+      const float r = a0 > 0.0f ? a0 : 0.0f;
+      v = r * r;
+      d0 = 2.0f * r;
+      d1 = 0.0f;
+    }
+  }
+}
+
+// One block per row (grid-stride): activation, or zeros on padding rows.
+__global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
+                                   const int32_t* rows, int G, const float* row_weights, __nv_bfloat16* a,
+                                   __nv_bfloat16* h, __nv_bfloat16* y) {
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int g = group_of(offsets, G, r);
+    if (g < 0) return;  // rows past offsets[G] are not ours (uniform per block)
+    const bool real = r < offsets[g] + rows[g];
+    __nv_bfloat16* ar = a + r * P * F;
+    __nv_bfloat16* hr = h + r * F;
+    if (!real) {
+      for (int64_t i = threadIdx.x; i < P * F; i += blockDim.x) ar[i] = __float2bfloat16_rn(0.0f);
+      for (int64_t i = threadIdx.x; i < F; i += blockDim.x) hr[i] = __float2bfloat16_rn(0.0f);
+      for (int64_t i = threadIdx.x; i < H; i += blockDim.x) y[r * H + i] = __float2bfloat16_rn(0.0f);
+      continue;
+    }
+    const float w = row_weights ? row_weights[r] : 1.0f;
+    for (int64_t i = threadIdx.x; i < F; i += blockDim.x) {
+      const float a0 = __bfloat162float(ar[i]);
+      const float a1 = P == 2 ? __bfloat162float(ar[F + i]) : 0.0f;
+      float v = act_value(f, a0, a1);
+      if (row_weights) v *= w;
+      hr[i] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+// One block per row: d_a from d_h (fp32) and the saved a; the row-weight gradient by a fixed
+// block reduction; padding rows get d_row_weights 0 and d_a 0.
+__global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
+                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
+                                    const float* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
+  __shared__ float red[32];
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int g = group_of(offsets, G, r);
+    if (g < 0) return;
+    const bool real = r < offsets[g] + rows[g];
+    const float w = row_weights && real ? row_weights[r] : 1.0f;
+    float dw = 0.0f;
+    for (int64_t i = threadIdx.x; i < F; i += blockDim.x) {
+      float d0 = 0.0f, d1 = 0.0f;
+      if (real) {
+        const float a0 = __bfloat162float(a[r * P * F + i]);
+        const float a1 = P == 2 ? __bfloat162float(a[r * P * F + F + i]) : 0.0f;
+        float v, g0, g1;
+        act_grad(f, a0, a1, v, g0, g1);
+        float dact = d_h[r * F + i];
+        if (row_weights) {
+          dw = fmaf(dact, v, dw);
+          dact *= w;
+        }
+        d0 = dact * g0;
+        d1 = dact * g1;
+      }
+      d_a[r * P * F + i] = __float2bfloat16_rn(d0);
+      if (P == 2) d_a[r * P * F + F + i] = __float2bfloat16_rn(d1);
+    }
+    if (d_row_weights) {
+      for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
+      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = dw;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) s += red[i];
+        d_row_weights[r] = real ? s : 0.0f;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// out (bf16) = round(in (fp32)) on real rows, zero on padding rows.
+__global__ void finish_rows_kernel(int64_t H, int64_t total_rows, const int32_t* offsets, const int32_t* rows, int G,
+                                   const float* in, __nv_bfloat16* out) {
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int g = group_of(offsets, G, r);
+    if (g < 0) return;
+    const bool real = r < offsets[g] + rows[g];
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x)
+      out[r * H + i] = __float2bfloat16_rn(real ? in[r * H + i] : 0.0f);
+  }
+}
+
+// Zero on padding rows only (the grouped GEMMs write real rows).
+__global__ void zero_padding_kernel(int64_t H, int64_t total_rows, const int32_t* offsets, const int32_t* rows, int G,
+                                    __nv_bfloat16* out) {
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int g = group_of(offsets, G, r);
+    if (g < 0) return;
+    if (r < offsets[g] + rows[g]) continue;
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) out[r * H + i] = __float2bfloat16_rn(0.0f);
+  }
+}
+
+// fp32 scratch per device, grown on demand (the first call of a size allocates; later calls and
+// graph captures after a warm-up do not).
+float* scratch(int slot, size_t elems) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, std::pair<void*, size_t>> cache;
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lk(mu);
+  auto& e = cache[{dev, slot}];
+  if (e.second < elems * sizeof(float)) {
+    if (e.first) EPX_CUDA_CHECK(cudaFree(e.first));
+    EPX_CUDA_CHECK(cudaMalloc(&e.first, std::max<size_t>(elems, 1) * sizeof(float)));
+    e.second = std::max<size_t>(elems, 1) * sizeof(float);
+  }
+  return static_cast<float*>(e.first);
+}
+
+int row_grid(int64_t rows) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * 16))); }
+
+void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F) {
+  require_status(grouped_gemm_available(), Status::kNotSupported, fn,
+                 "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+  require_status(x.dtype() == DType::kBF16, Status::kNotSupported, fn, "x has dtype ", dtype_name(x.dtype()),
+                 "; the GPU grouped GEMMs take bf16");
+  require_status(H % 8 == 0 && F % 8 == 0, Status::kNotSupported, fn, "hidden ", H, " and ffn ", F,
+                 " must be multiples of 8 on the GPU (16-byte rows for TMA)");
+}
+
+}  // namespace
+
+void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
+  const char* fn = "epx::expert_mlp_forward";
+  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3);
+  const int G = static_cast<int>(t.rows.size(0));
+  require_bf16_path(fn, t.x, H, F);
+  require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
+                 "expert biases and the FP8 precisions run on the CPU reference only for now");
+  const int32_t* off = t.offsets.ptr<int32_t>();
+  const int32_t* rows = t.rows.ptr<int32_t>();
+  for (int64_t p = 0; p < P; ++p)
+    grouped_forward_bf16({t.x.data(), H, 0},
+                         {static_cast<const __nv_bfloat16*>(t.w_in.data()) + p * H * F, F, P * H * F},
+                         static_cast<__nv_bfloat16*>(t.a.data()) + p * F, P * F, H, F, off, rows, G, R, stream);
+  act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
+      static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
+      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
+      static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
+  EPX_CHECK_LAUNCH("act_forward_kernel");
+  grouped_forward_bf16({t.h.data(), F, 0}, {t.w_out.data(), H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream);
+}
+
+void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, Stream stream) {
+  const char* fn = "epx::expert_mlp_backward";
+  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3);
+  const int G = static_cast<int>(t.rows.size(0));
+  require_bf16_path(fn, t.x, H, F);
+  require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
+                 "expert biases and the FP8 precisions run on the CPU reference only for now");
+  require_status(d.d_w_in.dtype() == DType::kF32 && d.d_w_out.dtype() == DType::kF32, Status::kNotSupported, fn,
+                 "the GPU weight gradients are fp32");
+  cudaStream_t s = to_cuda(stream);
+  const int32_t* off = t.offsets.ptr<int32_t>();
+  const int32_t* rows = t.rows.ptr<int32_t>();
+  float* d_h = scratch(0, static_cast<size_t>(R) * F);
+  float* d_x = scratch(1, static_cast<size_t>(R) * H);
+  __nv_bfloat16* d_a = reinterpret_cast<__nv_bfloat16*>(scratch(2, (static_cast<size_t>(R) * P * F + 1) / 2));
+  grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, false, off, rows, G, R, stream);
+  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
+      static_cast<int>(c.activation), static_cast<int>(P), F, R, off, rows, G,
+      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<const __nv_bfloat16*>(t.a.data()), d_h,
+      d_a, c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr);
+  EPX_CHECK_LAUNCH("act_backward_kernel");
+  for (int64_t p = 0; p < P; ++p)
+    grouped_dgrad_bf16({d_a + p * F, P * F, 0},
+                       {static_cast<const __nv_bfloat16*>(t.w_in.data()) + p * H * F, F, P * H * F}, d_x, H, F, H,
+                       p > 0, off, rows, G, R, stream);
+  finish_rows_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, d_x, static_cast<__nv_bfloat16*>(d.d_x.data()));
+  EPX_CHECK_LAUNCH("finish_rows_kernel");
+  EPX_CUDA_CHECK(cudaMemsetAsync(d.d_w_out.data(), 0, d.d_w_out.nbytes(), s));
+  EPX_CUDA_CHECK(cudaMemsetAsync(d.d_w_in.data(), 0, d.d_w_in.nbytes(), s));
+  grouped_wgrad_bf16({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out.ptr<float>(), F * H, F, H, off, rows, G,
+                     stream);
+  for (int64_t p = 0; p < P; ++p)
+    grouped_wgrad_bf16({t.x.data(), H, 0}, {d_a + p * F, P * F, 0}, d.d_w_in.ptr<float>() + p * H * F, P * H * F, H, F,
+                       off, rows, G, stream);
+}
+
+void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
+                          const TensorRef& y, Stream stream) {
+  const int64_t R = x.size(0), K = x.size(1), N = w.size(2);
+  const int G = static_cast<int>(rows.size(0));
+  require_bf16_path("epx::grouped_gemm_forward", x, K, N);
+  grouped_forward_bf16({x.data(), K, 0}, {w.data(), N, K * N}, y.data(), N, K, N, offsets.ptr<int32_t>(),
+                       rows.ptr<int32_t>(), G, R, stream);
+  zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
+                                                                static_cast<__nv_bfloat16*>(y.data()));
+  EPX_CHECK_LAUNCH("zero_padding_kernel");
+}
+
+void grouped_dgrad_cuda(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
+                        const TensorRef& dx, Stream stream) {
+  const int64_t R = dy.size(0), N = dy.size(1), K = dx.size(1);
+  const int G = static_cast<int>(rows.size(0));
+  require_bf16_path("epx::grouped_gemm_dgrad", dy, K, N);
+  float* acc = scratch(3, static_cast<size_t>(R) * K);
+  // dx = dy . w^T with w_g [K, N] row-major: as the dgrad kernel's b_g [Nout = K, Kc = N].
+  grouped_dgrad_bf16({dy.data(), N, 0}, {w.data(), N, K * N}, acc, K, N, K, false, offsets.ptr<int32_t>(),
+                     rows.ptr<int32_t>(), G, R, stream);
+  finish_rows_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(K, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G, acc,
+                                                               static_cast<__nv_bfloat16*>(dx.data()));
+  EPX_CHECK_LAUNCH("finish_rows_kernel");
+}
+
+void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
+                        const TensorRef& dw, bool accumulate, Stream stream) {
+  const int64_t K = x.size(1), N = dy.size(1);
+  const int G = static_cast<int>(rows.size(0));
+  require_bf16_path("epx::grouped_gemm_wgrad", x, K, N);
+  require_status(dw.dtype() == DType::kF32 && !accumulate, Status::kNotSupported, "epx::grouped_gemm_wgrad",
+                 "the GPU wgrad writes fp32 dw without accumulate");
+  EPX_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), to_cuda(stream)));
+  grouped_wgrad_bf16({x.data(), K, 0}, {dy.data(), N, 0}, dw.ptr<float>(), K * N, K, N, offsets.ptr<int32_t>(),
+                     rows.ptr<int32_t>(), G, stream);
+}
+
+}  // namespace epx::cuda

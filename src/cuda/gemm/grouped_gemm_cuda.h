@@ -1,0 +1,36 @@
+// Grouped GEMMs over the expert-major layout on Hopper (CUTLASS 3 pointer-array kernels, TMA +
+// WGMMA, persistent, problem sizes read on the device). A small setup kernel turns the device-side
+// offsets/rows into per-group problem shapes, pointers and strides, so nothing is copied to the host.
+// Groups with no rows get an empty problem (no tiles): their outputs are left as the caller set them.
+//
+// Shapes (row-major; ld = elements between rows):
+//   forward  out_g [rows_g, N] (ld_out)  = a_g [rows_g, K] (ld_a) . b_g [K, N]        bf16 -> bf16
+//   dgrad    out_g [rows_g, N] (ld_out) (+)= a_g [rows_g, K] (ld_a) . b_g [N, K]^T     bf16 -> fp32
+//   wgrad    out_g [K, N]                = a_g [rows_g, K]^T (ld_a) . d_g [rows_g, N] (ld_d)  bf16 -> fp32
+// where a_g starts at row offsets[g], b_g / out_g (wgrad) at g * group_stride elements.
+#pragma once
+
+#include <cstdint>
+
+#include "epx/tensor.h"
+
+namespace epx::cuda {
+
+/// True when this build has the CUTLASS grouped kernels (found at configure time).
+bool grouped_gemm_available();
+
+struct GroupedOperand {
+  const void* ptr = nullptr;
+  int64_t ld = 0;            // elements between rows
+  int64_t group_stride = 0;  // elements between groups (weights), 0 for row-offset operands
+};
+
+void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+                          const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, float* out, int64_t ld_out, int64_t K, int64_t N,
+                        bool accumulate, const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
+                        Stream stream);
+void grouped_wgrad_bf16(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride, int64_t K, int64_t N,
+                        const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+
+}  // namespace epx::cuda

@@ -1,0 +1,30 @@
+// Built when CUTLASS was not found: the GPU grouped GEMMs report themselves unavailable and the
+// ops that need them raise kNotSupported with that reason.
+#include "cuda/gemm/grouped_gemm_cuda.h"
+#include "epx/error.h"
+
+namespace epx::cuda {
+
+bool grouped_gemm_available() { return false; }
+
+namespace {
+[[noreturn]] void unavailable() {
+  throw Error(Status::kNotSupported,
+              "epx: this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+}
+}  // namespace
+
+void grouped_forward_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
+                          const int32_t*, int, int64_t, Stream) {
+  unavailable();
+}
+void grouped_dgrad_bf16(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t, bool, const int32_t*,
+                        const int32_t*, int, int64_t, Stream) {
+  unavailable();
+}
+void grouped_wgrad_bf16(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t, const int32_t*,
+                        const int32_t*, int, Stream) {
+  unavailable();
+}
+
+}  // namespace epx::cuda

@@ -1,0 +1,192 @@
+// GPU grouped GEMMs, the GPU expert FFN and the MoE layer on one GPU against the CPU reference.
+// The tensor cores sum in their own order and the GPU FFN rounds a, d_h and d_a to bf16 where the
+// reference keeps fp32, so comparisons use a relative norm: ||got - want|| / ||want||.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "cuda/gemm/grouped_gemm_cuda.h"
+#include "epx/comm.h"
+#include "epx/error.h"
+#include "epx/grouped_gemm.h"
+#include "epx/moe.h"
+#include "epx/presets.h"
+#include "gpu/gpu_test_util.h"
+
+namespace epx {
+namespace {
+
+using testing::to_gpu;
+using testing::to_host;
+
+double rel_err(const TensorRef& got_any, const TensorRef& want_any) {
+  Tensor got = to_host(got_any), want = to_host(want_any);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double d = got.item(i) - want.item(i);
+    num += d * d;
+    den += want.item(i) * want.item(i);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+Tensor randn(Shape s, DType dt, uint32_t seed, double scale = 1.0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> n(0, scale);
+  Tensor t = Tensor::empty(s, dt);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_double(t.data(), dt, i, n(rng));
+  return t;
+}
+
+struct Layout {
+  Tensor offsets, rows;
+  int64_t total = 0;
+};
+
+// Group sizes with empty and single-row groups, padded to `align`.
+Layout make_layout(const std::vector<int>& sizes, int align) {
+  Layout L;
+  const int G = static_cast<int>(sizes.size());
+  L.offsets = Tensor::empty({G + 1}, DType::kI32);
+  L.rows = Tensor::empty({G}, DType::kI32);
+  int64_t at = 0;
+  for (int g = 0; g < G; ++g) {
+    L.offsets.ptr<int32_t>()[g] = static_cast<int32_t>(at);
+    L.rows.ptr<int32_t>()[g] = sizes[g];
+    at += round_up(sizes[g], align);
+  }
+  L.offsets.ptr<int32_t>()[G] = static_cast<int32_t>(at);
+  L.total = at;
+  return L;
+}
+
+#define EPX_REQUIRE_GROUPED()                                                                              \
+  do {                                                                                                     \
+    EPX_REQUIRE_GPU();                                                                                     \
+    if (!cuda::grouped_gemm_available()) GTEST_SKIP() << "built without CUTLASS: GPU grouped GEMMs absent"; \
+  } while (0)
+
+TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 64, N = 128;
+  const Layout L = make_layout({37, 0, 1, 130, 16, 0, 9}, 16);
+  const int G = static_cast<int>(L.rows.size(0));
+  Tensor x = randn({L.total + 5, K}, DType::kBF16, 1), w = randn({G, K, N}, DType::kBF16, 2, 0.1);
+  Tensor dy = randn({L.total + 5, N}, DType::kBF16, 3);
+  Tensor y_ref = Tensor::zeros({L.total + 5, N}, DType::kBF16), dx_ref = Tensor::zeros({L.total + 5, K}, DType::kBF16);
+  Tensor dw_ref = Tensor::zeros({G, K, N}, DType::kF32);
+  grouped_gemm_forward(x, w, L.offsets, L.rows, y_ref);
+  grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx_ref);
+  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
+  Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+  Tensor y = to_gpu(Tensor::full({L.total + 5, N}, DType::kBF16, 7.0));
+  Tensor dx = to_gpu(Tensor::full({L.total + 5, K}, DType::kBF16, 7.0));
+  Tensor dw = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
+  grouped_gemm_forward(to_gpu(x), to_gpu(w), off, rows, y);
+  grouped_gemm_dgrad(to_gpu(dy), to_gpu(w), off, rows, dx);
+  grouped_gemm_wgrad(to_gpu(x), to_gpu(dy), off, rows, dw);
+  const TensorRef used_y = y.ref().slice_rows(0, L.total), used_dx = dx.ref().slice_rows(0, L.total);
+  EXPECT_LT(rel_err(used_y, y_ref.ref().slice_rows(0, L.total)), 1e-2);
+  EXPECT_LT(rel_err(used_dx, dx_ref.ref().slice_rows(0, L.total)), 1e-2);
+  EXPECT_LT(rel_err(dw, dw_ref), 1e-2);
+  // rows past offsets[G] keep their contents; padding rows are zero
+  Tensor yh = to_host(y);
+  for (int64_t i = L.total * N; i < (L.total + 5) * N; ++i) ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
+  for (int64_t r = 37; r < 48; ++r) ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
+  Tensor dwh = to_host(dw);
+  for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(dwh.item(i), 0.0) << "empty expert's gradient must be zero";
+}
+
+TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
+  EPX_REQUIRE_GROUPED();
+  for (Activation act : {Activation::kSwiGLU, Activation::kGelu})
+    for (bool early : {false, true}) {
+      SCOPED_TRACE(std::string(activation_name(act)) + (early ? " early" : ""));
+      const int64_t H = 64, F = 48, P = is_gated(act) ? 2 : 1;
+      const Layout L = make_layout({20, 0, 33, 1, 7}, 8);
+      const int G = static_cast<int>(L.rows.size(0));
+      const int64_t R = L.total;
+      MlpConfig cfg{act, early, MlpPrecision::kHigh};
+      Tensor x = randn({R, H}, DType::kBF16, 10), w_in = randn({G, P, H, F}, DType::kBF16, 11, 0.15);
+      Tensor w_out = randn({G, F, H}, DType::kBF16, 12, 0.15), rw = randn({R}, DType::kF32, 13, 0.5);
+      Tensor d_y = randn({R, H}, DType::kBF16, 14);
+      auto run = [&](bool gpu, Tensor& y, Tensor& d_x, Tensor& d_w_in, Tensor& d_w_out, Tensor& d_rw) {
+        auto put = [&](const Tensor& t) { return gpu ? to_gpu(t) : t.clone(); };
+        auto zeros = [&](Shape s, DType dt) { return put(Tensor::zeros(s, dt)); };
+        Tensor xs = put(x), wi = put(w_in), wo = put(w_out), off = put(L.offsets), rows = put(L.rows), r = put(rw);
+        Tensor a = zeros({R, P, F}, DType::kBF16), h = zeros({R, F}, DType::kBF16);
+        y = zeros({R, H}, DType::kBF16);
+        MlpTensors t{xs, off, rows, early ? r.ref() : TensorRef(), wi, {}, wo, {}, a, h, y};
+        expert_mlp_forward(cfg, t);
+        d_x = zeros({R, H}, DType::kBF16);
+        d_w_in = zeros({G, P, H, F}, DType::kF32);
+        d_w_out = zeros({G, F, H}, DType::kF32);
+        d_rw = zeros({R}, DType::kF32);
+        MlpGrads g{put(d_y), d_x, early ? d_rw.ref() : TensorRef(), d_w_in, {}, d_w_out, {}};
+        expert_mlp_backward(cfg, t, g);
+      };
+      Tensor y0, dx0, dwi0, dwo0, drw0, y1, dx1, dwi1, dwo1, drw1;
+      run(false, y0, dx0, dwi0, dwo0, drw0);
+      run(true, y1, dx1, dwi1, dwo1, drw1);
+      EXPECT_LT(rel_err(y1, y0), 2e-2) << "y";
+      EXPECT_LT(rel_err(dx1, dx0), 3e-2) << "d_x";
+      EXPECT_LT(rel_err(dwi1, dwi0), 3e-2) << "d_w_in";
+      EXPECT_LT(rel_err(dwo1, dwo0), 2e-2) << "d_w_out";
+      if (early) {
+        EXPECT_LT(rel_err(drw1, drw0), 3e-2) << "d_row_weights";
+      }
+    }
+}
+
+// The whole layer on one GPU against the same layer on the CPU reference (bf16 both): outputs,
+// losses and input gradients agree within bf16 rounding for tokens whose routing agrees.
+TEST(MoELayerGpu, OneGpuMatchesReference) {
+  EPX_REQUIRE_GROUPED();
+  MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
+  c.hidden = 64;
+  c.ffn_hidden = 32;
+  c.shared_ffn_hidden = 32;
+  GroupConfig gc;
+  gc.num_experts = c.router.num_experts;
+  gc.hidden = c.hidden;
+  gc.max_tokens_per_rank = 64;
+  gc.max_topk = c.router.topk;
+  gc.align = 16;
+  auto host = Group::create_simulated(1, gc);
+  Group gpu = Group::create_local(gc, 0);
+  MoELayer lh(host[0], c), lg(gpu, c);
+  lh.init_params(3, 0.1);
+  lg.init_params(3, 0.1);
+  // a sharper gate, so that rounding differences do not move tokens between experts
+  Tensor gate = randn(lh.params().gate.shape(), DType::kBF16, 21, 1.0);
+  copy(gate, lh.params().gate);
+  copy(gate, lg.params().gate);
+  Tensor x = randn({64, c.hidden}, DType::kBF16, 22), d_out = randn({64, c.hidden}, DType::kBF16, 23, 0.1);
+  Tensor out_h = Tensor::zeros({64, c.hidden}, DType::kBF16), dx_h = Tensor::zeros({64, c.hidden}, DType::kBF16);
+  MoEContext ch = lh.forward(x, out_h);
+  lh.backward(ch, d_out, dx_h);
+  Tensor xg = to_gpu(x), out_g = to_gpu(out_h), dx_g = to_gpu(dx_h);
+  MoEContext cg = lg.forward(xg, out_g);
+  lg.backward(cg, to_gpu(d_out), dx_g);
+  gpu.check();
+  Tensor ih = to_host(ch.topk_idx()), ig = to_host(cg.topk_idx());
+  int same = 0;
+  for (int t = 0; t < 64; ++t) {
+    bool eq = true;
+    for (int k = 0; k < c.router.topk; ++k) eq &= ih.ptr<int32_t>()[t * c.router.topk + k] == ig.ptr<int32_t>()[t * c.router.topk + k];
+    same += eq;
+  }
+  EXPECT_GE(same, 60) << "routing agrees on too few tokens";
+  EXPECT_LT(rel_err(out_g, out_h), 5e-2);
+  EXPECT_LT(rel_err(dx_g, dx_h), 8e-2);
+  Tensor lsh = to_host(ch.losses()), lsg = to_host(cg.losses());
+  EXPECT_NEAR(lsg.item(0), lsh.item(0), 1e-2 * std::fabs(lsh.item(0)) + 1e-6);
+  EXPECT_NEAR(lsg.item(1), lsh.item(1), 1e-2 * std::fabs(lsh.item(1)) + 1e-6);
+  EXPECT_LT(rel_err(lg.grads().w_in, lh.grads().w_in), 8e-2);
+  EXPECT_LT(rel_err(lg.grads().gate, lh.grads().gate), 8e-2);
+}
+
+}  // namespace
+}  // namespace epx
