@@ -124,7 +124,8 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
         d_w_in = zeros({G, P, H, F}, DType::kF32);
         d_w_out = zeros({G, F, H}, DType::kF32);
         d_rw = zeros({R}, DType::kF32);
-        MlpGrads g{put(d_y), d_x, early ? d_rw.ref() : TensorRef(), d_w_in, {}, d_w_out, {}};
+        const Tensor dys = put(d_y);  // named: the grads view must not outlive its storage
+        MlpGrads g{dys, d_x, early ? d_rw.ref() : TensorRef(), d_w_in, {}, d_w_out, {}};
         expert_mlp_backward(cfg, t, g);
       };
       Tensor y0, dx0, dwi0, dwo0, drw0, y1, dx1, dwi1, dwo1, drw1;
