@@ -44,21 +44,6 @@ double peer_copy_gb_per_s() {
   return bytes / (us * 1e-6) * 1e-9;
 }
 
-Tensor random_ids(int T, int E, int K, uint32_t seed, Device dev) {
-  std::mt19937 rng(seed);
-  Tensor h = Tensor::empty({T, K}, DType::kI32);
-  std::vector<int> perm(E);
-  for (int t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e) perm[e] = e;
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> d(k, E - 1);
-      std::swap(perm[k], perm[d(rng)]);
-      h.ptr<int32_t>()[t * K + k] = perm[k];
-    }
-  }
-  return h.to(dev);
-}
-
 void run(int T, int H, int E, int K, int sms, double link) {
   GroupConfig cfg;
   cfg.num_experts = E;
@@ -75,7 +60,7 @@ void run(int T, int H, int E, int K, int sms, double link) {
     const Device dev = g.device();
     EPX_CUDA_CHECK(cudaSetDevice(dev.index));
     const int64_t cap = g.recv_capacity_rows();
-    Tensor idx = random_ids(T, E, K, 11 + g.rank(), dev);
+    Tensor idx = bench::random_expert_ids(T, E, K, 11 + g.rank(), dev);
     Tensor w = Tensor::full({T, K}, DType::kF32, 0.125).to(dev);
     Tensor x = Tensor::full({T, H}, DType::kBF16, 1.0).to(dev);
     Tensor recv = Tensor::empty({cap, H}, DType::kBF16, dev), rw = Tensor::empty({cap}, DType::kF32, dev);

@@ -22,21 +22,6 @@ using bench::JsonLine;
 
 namespace {
 
-Tensor device_random_ids(int T, int E, int K, uint32_t seed) {
-  std::mt19937 rng(seed);
-  Tensor h = Tensor::empty({T, K}, DType::kI32);
-  std::vector<int> perm(E);
-  for (int t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e) perm[e] = e;
-    for (int k = 0; k < K; ++k) {  // K distinct experts, uniform
-      std::uniform_int_distribution<int> d(k, E - 1);
-      std::swap(perm[k], perm[d(rng)]);
-      h.ptr<int32_t>()[t * K + k] = perm[k];
-    }
-  }
-  return h.to(Device::cuda(0));
-}
-
 Tensor device_fill(Shape s, DType dt, float v) { return Tensor::full(s, dt, v).to(Device::cuda(0)); }
 
 void run_shape(int T, int H, int E, int K, double hbm) {
@@ -48,7 +33,7 @@ void run_shape(int T, int H, int E, int K, double hbm) {
   cfg.align = 1;
   Group g = Group::create_local(cfg, 0);
   const int64_t cap = g.recv_capacity_rows();
-  Tensor idx = device_random_ids(T, E, K, 7);
+  Tensor idx = bench::random_expert_ids(T, E, K, 7, Device::cuda(0));
   Tensor w = device_fill({T, K}, DType::kF32, 0.125f);
   Tensor x = device_fill({T, H}, DType::kBF16, 1.5f);
   Tensor recv = Tensor::empty({cap, H}, DType::kBF16, Device::cuda(0));

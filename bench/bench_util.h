@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <random>
 #include <cstdio>
 #include <functional>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "cuda/common/cuda_check.h"
+#include "epx/tensor.h"
 
 namespace epx::bench {
 
@@ -53,6 +55,22 @@ inline double measure_hbm_bytes_per_s() {
   cudaFree(src);
   cudaFree(dst);
   return 2.0 * bytes / (us * 1e-6);
+}
+
+/// topk_idx [T, K] int32 on `device`: K distinct experts per token, uniform (partial Fisher-Yates).
+inline Tensor random_expert_ids(int T, int E, int K, uint32_t seed, Device device) {
+  std::mt19937 rng(seed);
+  Tensor h = Tensor::empty({T, K}, DType::kI32);
+  std::vector<int> perm(E);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> d(k, E - 1);
+      std::swap(perm[k], perm[d(rng)]);
+      h.ptr<int32_t>()[t * K + k] = perm[k];
+    }
+  }
+  return h.to(device);
 }
 
 /// One JSON object on one line, keys in insertion order.

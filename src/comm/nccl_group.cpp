@@ -39,15 +39,6 @@ void nccl_check(ncclResult_t r, const char* what) {
                                                    ncclGetLastError(nullptr) ? ncclGetLastError(nullptr) : "", ")"));
 }
 
-double timeout_seconds(const GroupConfig& c) {
-  if (c.timeout_s > 0) return c.timeout_s;
-  if (const char* env = std::getenv("EPX_TIMEOUT_S")) {
-    const double v = std::atof(env);
-    if (v > 0) return v;
-  }
-  return 10.0;
-}
-
 using cuda::DeviceGuard;
 
 // What one rank holds; created in phases because window registration is collective.
@@ -156,7 +147,7 @@ class NcclGroup final : public GroupState {
     dg_.my_inbox = reinterpret_cast<uint32_t*>(static_cast<char*>(r.window) + r.layout.total);
     dg_.epoch = static_cast<uint32_t*>(r.control.data());
     dg_.status = r.control.ptr<int32_t>() + 1;
-    dg_.timeout_ns = static_cast<uint64_t>(timeout_seconds(c) * 1e9);
+    dg_.timeout_ns = static_cast<uint64_t>(resolved_timeout_s(c) * 1e9);
     dg_.send_blocks = c.num_sms > 0 ? c.num_sms : 32;
   }
 
@@ -217,7 +208,7 @@ class NcclGroup final : public GroupState {
                                   "dispatch_backward", "all_reduce_sum"};
       const char* op = s[7] >= 1 && s[7] <= 6 ? ops[s[7]] : "?";
       throw Error(Status::kTimeout,
-                  detail::concat("epx::", op, ": rank ", rank, " waited ", timeout_seconds(config),
+                  detail::concat("epx::", op, ": rank ", rank, " waited ", resolved_timeout_s(config),
                                  " s at barrier ", static_cast<uint32_t>(s[8]), "; rank(s) ", missing,
                                  " never arrived (do all ranks make the same collective calls in the same order?). "
                                  "The group is unusable; destroy it on every rank."));
@@ -233,6 +224,25 @@ class NcclGroup final : public GroupState {
   DeviceGroup dg_;
   std::shared_ptr<HandlePool> pool_;
 };
+
+// The state of a group for the one rank this process drives on a communicator (collective: every
+// rank of the communicator builds its own at the same time).
+std::unique_ptr<GroupState> single_rank_state(ncclComm_t c, bool owns_comm, int device, int rank, int size,
+                                              const GroupConfig& config) {
+  auto world = std::make_shared<World>();
+  world->ranks.resize(1);
+  RankResources& rr = world->ranks[0];
+  rr.comm = c;
+  rr.owns_comm = owns_comm;
+  rr.device = device;
+  rr.rank = rank;
+  rr.size = size;
+  rr.allocate(config);
+  rr.register_window();
+  rr.finish();
+  return std::make_unique<NcclGroup>(world, 0, config);
+}
+
 
 // Reads an environment variable as an int, trying each name in order.
 int env_int(std::initializer_list<const char*> names, int fallback) {
@@ -305,18 +315,7 @@ Group Group::from_nccl(void* nccl_comm, const GroupConfig& config) {
   comm::nccl_check(ncclCommUserRank(c, &rank), "ncclCommUserRank");
   comm::nccl_check(ncclCommCuDevice(c, &dev), "ncclCommCuDevice");
   config.validate(fn, R);
-  auto world = std::make_shared<comm::World>();
-  world->ranks.resize(1);
-  auto& rr = world->ranks[0];
-  rr.comm = c;
-  rr.owns_comm = false;
-  rr.device = dev;
-  rr.rank = rank;
-  rr.size = R;
-  rr.allocate(config);
-  rr.register_window();
-  rr.finish();
-  return Group(std::make_unique<comm::NcclGroup>(world, 0, config));
+  return Group(comm::single_rank_state(c, /*owns_comm=*/false, dev, rank, R, config));
 }
 
 Group Group::create_from_env(const GroupConfig& config) {
@@ -359,18 +358,7 @@ Group Group::create_from_env(const GroupConfig& config) {
   }
   ncclComm_t c = nullptr;
   comm::nccl_check(ncclCommInitRank(&c, world, id, rank), "ncclCommInitRank");
-  auto w = std::make_shared<comm::World>();
-  w->ranks.resize(1);
-  auto& rr = w->ranks[0];
-  rr.comm = c;
-  rr.owns_comm = true;
-  rr.device = local;
-  rr.rank = rank;
-  rr.size = world;
-  rr.allocate(config);
-  rr.register_window();
-  rr.finish();
-  return Group(std::make_unique<comm::NcclGroup>(w, 0, config));
+  return Group(comm::single_rank_state(c, /*owns_comm=*/true, local, rank, world, config));
 }
 
 }  // namespace epx

@@ -49,4 +49,8 @@ void check_device(const char* fn, const char* name, const TensorRef& t, Device d
   require(t.device() == device, fn, name, " is on ", t.device().str(), ", expected ", device.str());
 }
 
+void check_all_on(const char* fn, Device device, std::initializer_list<std::pair<const char*, const TensorRef*>> ts) {
+  for (auto& [name, t] : ts) check_device(fn, name, *t, device);
+}
+
 }  // namespace epx::detail

@@ -5,6 +5,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "epx/error.h"
 #include "epx/tensor.h"
@@ -18,6 +19,8 @@ void check_tensor(const char* fn, const char* name, const TensorRef& t, std::ini
 void check_min_rows(const char* fn, const char* name, const TensorRef& t, int64_t min_rows);
 /// Every defined tensor lives on `device`.
 void check_device(const char* fn, const char* name, const TensorRef& t, Device device);
+/// check_device over a list of (name, tensor) pairs.
+void check_all_on(const char* fn, Device device, std::initializer_list<std::pair<const char*, const TensorRef*>> ts);
 std::string dtype_list(std::initializer_list<DType> dtypes);
 
 }  // namespace epx::detail

@@ -49,6 +49,15 @@ int64_t worst_case_recv_rows(const GroupConfig& c, int num_ranks) {
          le * (c.align - 1);
 }
 
+double resolved_timeout_s(const GroupConfig& c) {
+  if (c.timeout_s > 0) return c.timeout_s;
+  if (const char* env = std::getenv("EPX_TIMEOUT_S")) {
+    const double v = std::atof(env);
+    if (v > 0) return v;
+  }
+  return 10.0;
+}
+
 uint64_t next_group_id() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1);

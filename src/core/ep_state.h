@@ -88,6 +88,9 @@ struct GroupState {
 /// min(K, E/R) pairs here, plus a partially filled `align` block per local expert.
 int64_t worst_case_recv_rows(const GroupConfig& config, int num_ranks);
 
+/// The wait timeout in seconds: config.timeout_s, else EPX_TIMEOUT_S, else 10 s.
+double resolved_timeout_s(const GroupConfig& config);
+
 /// A process-unique id for a new group (handles remember the id of the group that made them).
 uint64_t next_group_id();
 

@@ -11,6 +11,7 @@
 
 namespace epx {
 
+using detail::check_all_on;
 using detail::check_device;
 using detail::check_min_rows;
 using detail::check_tensor;
@@ -35,10 +36,6 @@ void check_handle(const char* fn, const GroupState& g, const HandleState& h, boo
           "one layer and one microbatch)");
   if (must_be_dispatched)
     require(h.dispatched, fn, "the handle has not been dispatched yet (call dispatch_forward first)");
-}
-
-void check_all_on(const char* fn, Device dev, std::initializer_list<std::pair<const char*, const TensorRef*>> ts) {
-  for (auto& [name, t] : ts) check_device(fn, name, *t, dev);
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 
 namespace epx {
 
+using detail::check_all_on;
 using detail::check_device;
 using detail::check_tensor;
 
@@ -70,10 +71,6 @@ int64_t check_layout(const char* fn, const TensorRef& offsets, const TensorRef& 
   const int64_t G = rows.size(0);
   check_tensor(fn, "offsets", offsets, {G + 1}, {DType::kI32});
   return G;
-}
-
-void check_all_on(const char* fn, Device dev, std::initializer_list<std::pair<const char*, const TensorRef*>> ts) {
-  for (auto& [name, t] : ts) check_device(fn, name, *t, dev);
 }
 
 void require_host(const char* fn, Device dev) {

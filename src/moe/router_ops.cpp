@@ -23,6 +23,7 @@
 
 namespace epx {
 
+using detail::check_all_on;
 using detail::check_device;
 using detail::check_tensor;
 
@@ -89,10 +90,6 @@ void check_bias(const char* fn, const RouterConfig& c, const TensorRef& expert_b
           "expert_bias is missing but config.use_expert_bias is true (partial bias set: pass a bias of shape [",
           c.num_experts, "] or disable use_expert_bias)");
   if (expert_bias.defined()) check_tensor(fn, "expert_bias", expert_bias, {c.num_experts}, {DType::kF32});
-}
-
-void check_all_on(const char* fn, Device dev, std::initializer_list<std::pair<const char*, const TensorRef*>> ts) {
-  for (auto& [name, t] : ts) check_device(fn, name, *t, dev);
 }
 
 // Device tensors reach here only in a build without the CUDA backend.

@@ -25,15 +25,6 @@ namespace epx {
 namespace ref {
 namespace {
 
-double default_timeout(const GroupConfig& c) {
-  if (c.timeout_s > 0) return c.timeout_s;
-  if (const char* env = std::getenv("EPX_TIMEOUT_S")) {
-    double v = std::atof(env);
-    if (v > 0) return v;
-  }
-  return 10.0;
-}
-
 int64_t read_id(const TensorRef& idx, int64_t i) {
   return idx.dtype() == DType::kI64 ? idx.ptr<int64_t>()[i] : idx.ptr<int32_t>()[i];
 }
@@ -100,7 +91,7 @@ class HostGroup final : public GroupState {
     transport = Transport::kHost;
     recv_capacity_rows = c.recv_capacity_rows > 0 ? c.recv_capacity_rows : worst_case_recv_rows(c, size);
     registered_bytes = world_->layout.total;
-    timeout_s_ = default_timeout(c);
+    timeout_s_ = resolved_timeout_s(c);
   }
 
   void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights,
