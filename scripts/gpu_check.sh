@@ -4,8 +4,9 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench]
-#   (default: build tests memcheck bench; mptests and epbench need 2 GPUs)
+# usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer]
+#   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
+#   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax).
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
@@ -84,5 +85,23 @@ if has epbench; then
     done
   fi
   grep -E 'dispatch' "$OUT/bench.jsonl"
+fi
+if has layer; then
+  timeout 400 "$BUILD/bin/epx" demo >"$OUT/demo.log" 2>&1
+  rc=$?
+  tail -12 "$OUT/demo.log"
+  summary "demo: rc=$rc $(tail -1 "$OUT/demo.log" | cut -c1-400)"
+  : >"$OUT/layer.jsonl"
+  timeout 400 "$BUILD/bin/epx" bench layer ${LAYER_ARGS:-} >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
+    summary "epx bench layer failed rc=$?"
+  if [ -f .carry/bench/torch_ep_baseline.py ]; then
+    for shape in "--tokens 4096 --hidden 7168 --experts 256 --topk 8 --ffn 2048" \
+                 "--tokens 4096 --hidden 4096 --experts 8 --topk 2 --ffn 14336"; do
+      PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_layer_baseline.py --baseline .carry/bench/torch_ep_baseline.py \
+        $shape --modes layer --iters 10 >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
+        summary "torch layer baseline failed for $shape"
+    done
+  fi
+  cat "$OUT/layer.jsonl"
 fi
 cat "$OUT/summary.txt"

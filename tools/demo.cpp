@@ -1,7 +1,9 @@
 // `epx demo`: a few training steps of one MoE layer (forward, backward, SGD on a synthetic
 // regression target) over an EP group, printing a line per step and, last, one JSON object.
 //
-// Without a GPU the group is R simulated ranks of the CPU reference (threads sharing host windows).
+// With GPUs (and the CUDA backend with its grouped GEMMs) the demo runs one process per GPU, see
+// demo_gpu.cpp. Without, the group is R simulated ranks of the CPU reference (threads sharing host
+// windows).
 // Before training, the same layer on ONE rank, fed the concatenation of every rank's tokens, must
 // give the same outputs: the demo reports that difference as ranks_vs_single_max_err.
 #include <algorithm>
@@ -18,11 +20,19 @@
 #include "epx/comm.h"
 #include "epx/moe.h"
 #include "epx/presets.h"
+#include "core/version.h"
 #include "tools/args.h"
 #include "tools/commands.h"
+#include "tools/launch.h"
 
 namespace epx::tools {
 namespace {
+
+std::vector<std::string> prepend(std::string first, const std::vector<std::string>& rest) {
+  std::vector<std::string> v{std::move(first)};
+  v.insert(v.end(), rest.begin(), rest.end());
+  return v;
+}
 
 Tensor host_normal(int64_t rows, int64_t cols, DType dt, uint64_t seed, uint64_t stream, double scale) {
   Tensor t = Tensor::empty({rows, cols}, dt);
@@ -61,11 +71,31 @@ GroupConfig group_config(const ShapePreset& p, int64_t max_tokens, DType dt) {
 }  // namespace
 
 int run_demo(const std::vector<std::string>& argv) {
-  Args args("epx demo", argv, {"ranks", "preset", "tokens", "steps", "seed", "lr"}, {"help"});
+  Args args("epx demo", argv, {"ranks", "preset", "tokens", "steps", "seed", "lr"}, {"help", "cpu"});
   if (args.flag("help")) {
-    std::printf("usage: epx demo [--ranks N] [--preset NAME] [--tokens T] [--steps S] [--seed N] [--lr X]\n"
-                "  without a GPU: N simulated ranks (default 4) of the CPU reference, preset 'small'\n");
+    std::printf("usage: epx demo [--ranks N] [--preset NAME] [--tokens T] [--steps S] [--seed N] [--lr X] [--cpu]\n"
+                "  with GPUs: one process per GPU (N = every visible GPU), preset 'deepseek-v3', 4096 tokens\n"
+                "    per GPU, 5 training steps, after one step of a reduced layer is checked against the CPU\n"
+                "    reference (exit code 3 if it disagrees)\n"
+                "  without a GPU (or with --cpu): N simulated ranks (default 4) of the CPU reference, preset 'small'\n");
     return 0;
+  }
+  const BuildInfo build = build_info();
+  const int gpus = detail::cuda_device_count();
+  const bool gpu = !args.flag("cpu") && build.cuda_backend && build.gpu_grouped_gemm && gpus > 0;
+  if (gpu) {
+    DemoOptions o;
+    o.preset = args.str("preset", "");
+    o.tokens = args.integer("tokens", 0);
+    o.steps = static_cast<int>(args.integer("steps", 5));
+    o.seed = static_cast<uint64_t>(args.integer("seed", 1));
+    o.lr = std::stod(args.str("lr", "0.02"));
+    require(o.steps >= 1 && o.tokens >= 0, "epx demo", "--steps must be >= 1 and --tokens >= 1");
+    if (started_by_launcher()) return run_demo_gpu(o);
+    const int R = static_cast<int>(args.integer("ranks", gpus));
+    require(R >= 1 && R <= gpus, "epx demo", "--ranks is ", R, ", expected 1..", gpus, " (the visible GPUs)");
+    if (R == 1) return run_demo_gpu(o);
+    return run_local_ranks(R, prepend("demo", argv));
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int R = static_cast<int>(args.integer("ranks", 4));
@@ -79,8 +109,10 @@ int run_demo(const std::vector<std::string>& argv) {
   const MoEConfig mc = moe_config(preset, dt);
   const int64_t H = mc.hidden;
 
-  const char* why = detail::cuda_backend_built() ? (detail::cuda_device_count() == 0 ? "no GPU visible" : "GPU layer not built yet")
-                                                 : "built without CUDA";
+  const char* why = args.flag("cpu")           ? "--cpu"
+                    : !build.cuda_backend       ? "built without CUDA"
+                    : gpus == 0                 ? "no GPU visible"
+                                                : "built without the CUTLASS grouped GEMMs";
   std::printf("epx demo: backend cpu-reference (%s), %d simulated ranks, preset %s (%s)\n", why, R, preset.name.c_str(),
               preset.description.c_str());
   std::printf("  tokens/rank %lld, hidden %lld, ffn %lld, experts %d, top-%d, groups %d keep %d, shared ffn %lld, %s\n",
@@ -170,16 +202,19 @@ int run_demo(const std::vector<std::string>& argv) {
     std::printf("  step %d/%d: loss %.6f (mse %.6f, aux %.6f, z %.6f), grad norms gate %.4g w_in %.4g w_out %.4g, %.1f ms\n",
                 step, steps, loss, total_mse, aux, z, std::sqrt(gn_gate), std::sqrt(gn_in), std::sqrt(gn_out), step_ms);
   }
+  // fp32 layer: only the order of the combine's sum may differ between R ranks and one rank
+  const bool check_ok = single_err <= 1e-5;
   const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::printf("{\"backend\":\"cpu-reference\",\"ranks\":%d,\"preset\":\"%s\",\"tokens\":%lld,\"hidden\":%lld,"
               "\"ffn_hidden\":%lld,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\",\"steps\":%d,\"loss_first\":%.6g,"
               "\"loss_last\":%.6g,\"aux_loss\":%.6g,\"z_loss\":%.6g,\"grad_norm_gate\":%.6g,\"grad_norm_w_in\":%.6g,"
-              "\"grad_norm_w_out\":%.6g,\"ranks_vs_single_max_err\":%.3g,\"max_abs_err\":0,\"step_ms\":%.2f,"
+              "\"grad_norm_w_out\":%.6g,\"ranks_vs_single_max_err\":%.3g,\"check_ok\":%s,\"step_ms\":%.2f,"
               "\"wall_ms\":%.1f}\n",
               R, preset.name.c_str(), static_cast<long long>(T), static_cast<long long>(H),
               static_cast<long long>(mc.ffn_hidden), preset.experts, preset.topk, dtype_name(dt), steps, first_loss,
-              last_loss, aux, z, std::sqrt(gn_gate), std::sqrt(gn_in), std::sqrt(gn_out), single_err, step_ms, wall);
-  return 0;
+              last_loss, aux, z, std::sqrt(gn_gate), std::sqrt(gn_in), std::sqrt(gn_out), single_err, check_ok ? "true" : "false", step_ms,
+              wall);
+  return check_ok ? 0 : 3;
 }
 
 }  // namespace epx::tools

@@ -17,6 +17,8 @@ int print_help(FILE* out) {
                "  demo   MoE forward+backward on every local GPU, or on the CPU reference with\n"
                "         simulated ranks when there is none; last line is a JSON summary\n"
                "         (epx demo --help for options)\n"
+               "  bench  epx bench layer: the MoE layer's forward and forward+backward time on every\n"
+               "         local GPU beside its tensor-core floor, JSON lines\n"
                "  info   build flags, devices, CUDA and NCCL versions\n"
                "  help   this text\n");
   return 0;
@@ -29,7 +31,8 @@ int run_info(const std::vector<std::string>&) {
   if (b.cuda_backend) {
     std::printf("  CUDA runtime %s, driver %s, NCCL %s\n", b.cuda_runtime.c_str(), b.cuda_driver.c_str(),
                 b.nccl.c_str());
-    std::printf("  compiled for: %s\n", b.cuda_archs.c_str());
+    std::printf("  compiled for: %s; GPU grouped GEMMs (CUTLASS): %s\n", b.cuda_archs.c_str(),
+                b.gpu_grouped_gemm ? "yes" : "no");
   }
   std::printf("  devices: %zu\n", b.devices.size());
   for (const auto& d : b.devices) std::printf("    %s\n", d.c_str());

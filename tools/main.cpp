@@ -1,4 +1,4 @@
-// The epx command-line tool: `epx demo`, `epx info`, `epx help`.
+// The epx command-line tool: `epx demo`, `epx bench`, `epx info`, `epx help`.
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "demo") return epx::tools::run_demo(args);
     if (cmd == "info") return epx::tools::run_info(args);
+    if (cmd == "bench") return epx::tools::run_bench(args);
     if (cmd == "help" || cmd == "--help" || cmd == "-h") return epx::tools::print_help(stdout);
     std::fprintf(stderr, "epx: unknown command '%s'\n\n", cmd.c_str());
     epx::tools::print_help(stderr);

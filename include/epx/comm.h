@@ -81,7 +81,9 @@ class Group {
   /// ranks. The communicator must outlive the group.
   static Group from_nccl(void* nccl_comm, const GroupConfig& config);
   /// One process per GPU: RANK / WORLD_SIZE / LOCAL_RANK (or OMPI_COMM_WORLD_*, SLURM_*) and the
-  /// NCCL id from EPX_NCCL_ID (hex) or EPX_NCCL_ID_FILE (rank 0 writes it, the others read it).
+  /// NCCL id from EPX_NCCL_ID (hex) or EPX_NCCL_ID_FILE (rank 0 writes it, the others read it;
+  /// the n-th group a process creates uses "<file>.<n>" after the first, so every rank must create
+  /// its groups in the same order).
   static Group create_from_env(const GroupConfig& config);
 
   int rank() const;

@@ -39,12 +39,16 @@ struct MoEConfig {
   /// Forward precision of the expert GEMMs. With an FP8 precision the tokens are quantized once
   /// before dispatch and travel as fp8 + scales (about half the bytes); backward stays in `dtype`.
   MlpPrecision precision = MlpPrecision::kHigh;
+  /// Routed-expert weight gradients (w_in, b_in, w_out, b_out) in `dtype` instead of fp32: fp32
+  /// accumulation, one rounding. With hundreds of local experts this halves tens of gigabytes.
+  bool expert_grads_in_dtype = false;
 
   void validate(const char* fn, const Group& group) const;
   int projections() const { return is_gated(activation) ? 2 : 1; }
 };
 
-/// Parameters or their gradients (same shapes; gradients are fp32, fp64 for fp64 layers).
+/// Parameters or their gradients (same shapes; gradients are fp32, fp64 for fp64 layers; the
+/// routed experts' in the layer dtype with MoEConfig::expert_grads_in_dtype).
 struct MoEParams {
   Tensor gate;          // [H, E]
   Tensor expert_bias;   // [E] fp32, when router.use_expert_bias (updated, never trained)
@@ -71,6 +75,9 @@ class MoEContext {
   /// [T, K] router outputs of the forward.
   const Tensor& topk_idx() const;
   const Tensor& topk_weights() const;
+  /// The router statistics of the forward (prob_sum and counts of the KEPT routing, summed over
+  /// the group for the global-batch aux loss): e.g. the counts for update_expert_bias.
+  const RouterStats& router_stats() const;
 
   struct State;
   State& state() const;
@@ -95,6 +102,11 @@ class MoELayer {
 
   /// x [T, H] -> out [T, H] (both in config.dtype, on the group's device). Collective.
   MoEContext forward(const TensorRef& x, const TensorRef& out, Stream stream = {});
+  /// The same, reusing ctx's buffers (and routing block) from its previous step: a context reused
+  /// with the same T allocates nothing after its first step, so a warmed-up forward + backward can
+  /// be captured in a CUDA graph and replayed. Keep one context per in-flight microbatch; x must
+  /// stay valid until backward (it is read again there).
+  void forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx, Stream stream = {});
   /// d_out [T, H] -> d_x [T, H]; parameter gradients are written to grads() (overwritten).
   /// d_aux and d_z seed the auxiliary losses (1 when they are added to the training loss).
   void backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux = 1.0,

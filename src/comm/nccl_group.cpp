@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -331,7 +332,13 @@ Group Group::create_from_env(const GroupConfig& config) {
   EPX_CUDA_CHECK(cudaSetDevice(local));
   ncclUniqueId id{};
   const char* env_id = std::getenv("EPX_NCCL_ID");
-  const char* file = std::getenv("EPX_NCCL_ID_FILE");
+  const char* file_env = std::getenv("EPX_NCCL_ID_FILE");
+  // Every rank creates its groups in the same order, so the n-th group of a process meets its peers
+  // in the n-th id file: a later group never reads the id of an earlier one.
+  static std::atomic<int> groups_created{0};
+  const int nth = groups_created++;
+  const std::string file_name = file_env ? std::string(file_env) + (nth ? "." + std::to_string(nth) : "") : "";
+  const char* file = file_env ? file_name.c_str() : nullptr;
   if (env_id) {
     id = comm::from_hex(env_id, "EPX_NCCL_ID");
   } else {

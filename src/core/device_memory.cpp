@@ -87,6 +87,18 @@ void memset_bytes(void* dst, Device device, int value, size_t bytes) {
   cuda_check(cudaMemset(dst, value, bytes), "cudaMemset");
 }
 
+void device_synchronize(int device) {
+  DeviceGuard g(device);
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+size_t device_memory_used(int device) {
+  DeviceGuard g(device);
+  size_t free_b = 0, total_b = 0;
+  cuda_check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  return total_b - free_b;
+}
+
 #else  // CPU-only build
 
 bool cuda_backend_built() { return false; }
@@ -108,6 +120,11 @@ void memset_bytes(void* dst, Device device, int value, size_t bytes) {
     throw Error(Status::kNotSupported, "epx: device memset requested but epx was built without the CUDA backend");
   if (bytes) std::memset(dst, value, bytes);
 }
+
+void device_synchronize(int) {
+  throw Error(Status::kNotSupported, "epx: device synchronize requested but epx was built without the CUDA backend");
+}
+size_t device_memory_used(int) { return 0; }
 
 #endif
 

@@ -16,5 +16,9 @@ void device_free(void* ptr, int device) noexcept;
 /// Synchronous copy between host and/or device memory.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void memset_bytes(void* dst, Device device, int value, size_t bytes);
+/// Waits for all work on the device (tools and benchmarks; never on a hot path).
+void device_synchronize(int device);
+/// Bytes in use on the device by every process and context (total - free): what a job sees.
+size_t device_memory_used(int device);
 
 }  // namespace epx::detail

@@ -25,6 +25,9 @@ BuildInfo build_info() {
   b.build_type = EPX_BUILD_TYPE;
 #ifdef EPX_HAVE_CUDA
   b.cuda_backend = true;
+#ifdef EPX_HAVE_CUTLASS
+  b.gpu_grouped_gemm = true;
+#endif
   b.cuda_archs = EPX_CUDA_ARCH_LIST;
   auto ver = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
   int rt = 0, drv = 0;

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "core/check.h"
-#include "core/random.h"
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "moe/elementwise.h"
@@ -33,6 +32,9 @@ struct MoEContext::State {
   Handle handle;
   Tensor x_q, x_scales, recv_x, recv_scales, recv_weights, a, h, y;
   Tensor shared_offsets, shared_rows, shared_a, shared_h, shared_y;
+  int64_t shared_tokens = -1;  // T that shared_offsets / shared_rows describe
+  // Backward scratch, kept so that a reused context allocates nothing after its first step.
+  Tensor d_y, d_recv_weights, d_recv_x, d_x_routed, d_topk_weights, d_logits, d_logits_dt, d_x_acc, d_x_shared;
   bool used_by_backward = false;
 };
 
@@ -48,6 +50,7 @@ const Tensor& MoEContext::losses() const { return state().losses; }
 const Handle& MoEContext::handle() const { return state().handle; }
 const Tensor& MoEContext::topk_idx() const { return state().topk_idx; }
 const Tensor& MoEContext::topk_weights() const { return state().topk_weights; }
+const RouterStats& MoEContext::router_stats() const { return state().stats; }
 
 namespace {
 
@@ -64,13 +67,23 @@ Tensor device_ints(std::vector<int32_t> v, Device dev) {
   return dev.is_cpu() ? h : h.to(dev);
 }
 
+// Keeps t when it already has this shape, dtype and device: a context reused step after step
+// allocates only on its first step, so later steps can be captured in a CUDA graph.
+const Tensor& ensure(Tensor& t, Shape shape, DType dt, Device dev) {
+  if (!t.defined() || t.dtype() != dt || !(t.device() == dev) || t.shape() != shape) t = Tensor::empty(shape, dt, dev);
+  return t;
+}
+
+const Tensor& ensure_zeros(Tensor& t, Shape shape, DType dt, Device dev, Stream stream) {
+  ensure(t, shape, dt, dev);
+  detail::fill_zero(t, stream);
+  return t;
+}
+
 void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double stddev, int64_t offset = 0, int64_t count = -1) {
   if (!t.defined()) return;
   if (count < 0) count = t.numel();
-  Tensor h = Tensor::empty({count}, t.dtype());
-  for (int64_t i = 0; i < count; ++i)
-    store_from_double(h.data(), t.dtype(), i, stddev * detail::counter_normal(seed, stream, static_cast<uint64_t>(i)));
-  copy(h, sub(t, offset, {count}));
+  detail::fill_normal(sub(t, offset, {count}), seed, stream, stddev);
 }
 
 }  // namespace
@@ -100,21 +113,21 @@ MoELayer::MoELayer(Group& group, const MoEConfig& config) : group_(group), confi
   const int64_t H = config.hidden, F = config.ffn_hidden, Fs = config.shared_ffn_hidden, E = config.router.num_experts;
   const int64_t Le = group.local_experts(), P = config.projections();
   const DType dt = config.dtype, gt = accum_dtype(dt);
-  auto make = [&](MoEParams& p, DType t) {
+  auto make = [&](MoEParams& p, DType t, DType expert_t) {
     p.gate = Tensor::zeros({H, E}, t, dev);
-    p.w_in = Tensor::zeros({Le, P, H, F}, t, dev);
-    p.w_out = Tensor::zeros({Le, F, H}, t, dev);
+    p.w_in = Tensor::zeros({Le, P, H, F}, expert_t, dev);
+    p.w_out = Tensor::zeros({Le, F, H}, expert_t, dev);
     if (config.expert_bias_terms) {
-      p.b_in = Tensor::zeros({Le, P, F}, t, dev);
-      p.b_out = Tensor::zeros({Le, H}, t, dev);
+      p.b_in = Tensor::zeros({Le, P, F}, expert_t, dev);
+      p.b_out = Tensor::zeros({Le, H}, expert_t, dev);
     }
     if (Fs > 0) {
       p.shared_w_in = Tensor::zeros({1, P, H, Fs}, t, dev);
       p.shared_w_out = Tensor::zeros({1, Fs, H}, t, dev);
     }
   };
-  make(params_, dt);
-  make(grads_, gt);
+  make(params_, dt, dt);
+  make(grads_, gt, config.expert_grads_in_dtype ? dt : gt);
   if (config.router.use_expert_bias) params_.expert_bias = Tensor::zeros({E}, DType::kF32, dev);
 }
 
@@ -140,6 +153,12 @@ void MoELayer::init_params(uint64_t seed, double stddev) {
 }
 
 MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream stream) {
+  MoEContext ctx;
+  forward(x, out, ctx, stream);
+  return ctx;
+}
+
+void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx, Stream stream) {
   const char* fn = "epx::MoELayer::forward";
   const MoEConfig& c = config_;
   const Device dev = group_.device();
@@ -155,18 +174,19 @@ MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream st
   const DType gt = accum_dtype(c.dtype);
   const int64_t S = c.router.aux_loss == AuxLossType::kSequence ? T / c.router.seq_len : 1;
 
-  MoEContext ctx;
-  ctx.state_ = std::make_unique<MoEContext::State>();
+  if (!ctx.state_) ctx.state_ = std::make_unique<MoEContext::State>();
   MoEContext::State& s = *ctx.state_;
   s.num_tokens = static_cast<int>(T);
   s.x = x;
+  s.used_by_backward = false;
+  s.handle = Handle();  // gives the routing block back before prepare takes one (same addresses)
 
   // Router.
-  s.logits = Tensor::empty({T, E}, gt, dev);
+  ensure(s.logits, {T, E}, gt, dev);
   gemm(x, params_.gate, s.logits, false, false, false, stream);
-  s.topk_idx = Tensor::empty({T, K}, DType::kI32, dev);
-  s.topk_weights = Tensor::empty({T, K}, gt, dev);
-  s.stats_buffer = Tensor::zeros({2 + 2 * S * E}, gt, dev);
+  ensure(s.topk_idx, {T, K}, DType::kI32, dev);
+  ensure(s.topk_weights, {T, K}, gt, dev);
+  ensure_zeros(s.stats_buffer, {2 + 2 * S * E}, gt, dev, stream);
   s.stats.scalars = sub(s.stats_buffer, 0, {2});
   s.stats.prob_sum = sub(s.stats_buffer, 2, {S, E});
   s.stats.counts = sub(s.stats_buffer, 2 + S * E, {S, E});
@@ -174,31 +194,31 @@ MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream st
   s.handle = prepare(group_, s.topk_idx, s.topk_weights, c.capacity, stream);
   count_routed(c.router, s.handle.routed_experts(), s.stats, stream);
   all_reduce_sum(group_, c.router.aux_loss == AuxLossType::kSequence ? s.stats.scalars : s.stats_buffer.ref(), stream);
-  s.losses = Tensor::empty({2}, gt, dev);
+  ensure(s.losses, {2}, gt, dev);
   router_losses(c.router, s.stats, s.losses, stream);
 
   // Routed experts.
   const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
-  s.recv_weights = Tensor::empty({cap}, gt, dev);
+  ensure(s.recv_weights, {cap}, gt, dev);
   if (c.precision == MlpPrecision::kHigh) {
-    s.recv_x = Tensor::empty({cap, H}, c.dtype, dev);
+    ensure(s.recv_x, {cap, H}, c.dtype, dev);
     dispatch_forward(group_, s.handle, x, s.topk_weights, s.recv_x, s.recv_weights, stream);
   } else {
     // Quantize once at the source; fp8 rows and their scales travel and feed the FP8 GEMM directly.
     const QuantRecipe rr = c.precision == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
-    s.x_q = Tensor::empty({T, H}, DType::kF8E4M3, dev);
-    s.x_scales = Tensor::empty(quant_scale_shape(rr, T, H), quant_scale_dtype(rr), dev);
+    ensure(s.x_q, {T, H}, DType::kF8E4M3, dev);
+    ensure(s.x_scales, quant_scale_shape(rr, T, H), quant_scale_dtype(rr), dev);
     QuantOptions qo;
     qo.mx_rounding = E8M0Rounding::kCeil;  // as the expert FFN quantizes (see MlpPrecision)
     quantize(rr, x, s.x_q, s.x_scales, qo, stream);
-    s.recv_x = Tensor::empty({cap, H}, DType::kF8E4M3, dev);
-    s.recv_scales = Tensor::empty(quant_scale_shape(rr, cap, H), quant_scale_dtype(rr), dev);
+    ensure(s.recv_x, {cap, H}, DType::kF8E4M3, dev);
+    ensure(s.recv_scales, quant_scale_shape(rr, cap, H), quant_scale_dtype(rr), dev);
     dispatch_forward(group_, s.handle, s.x_q, s.x_scales, s.topk_weights, s.recv_x, s.recv_scales, s.recv_weights,
                      stream);
   }
-  s.a = Tensor::empty({cap, P, F}, c.dtype, dev);
-  s.h = Tensor::empty({cap, F}, c.dtype, dev);
-  s.y = Tensor::empty({cap, H}, c.dtype, dev);
+  ensure(s.a, {cap, P, F}, c.dtype, dev);
+  ensure(s.h, {cap, F}, c.dtype, dev);
+  ensure(s.y, {cap, H}, c.dtype, dev);
   MlpConfig mc{c.activation, c.apply_weights_early, c.precision};
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
@@ -209,17 +229,20 @@ MoEContext MoELayer::forward(const TensorRef& x, const TensorRef& out, Stream st
   // Shared experts: one dense FFN over all tokens, as a one-group grouped FFN.
   if (c.shared_ffn_hidden > 0) {
     const int64_t Fs = c.shared_ffn_hidden;
-    s.shared_offsets = device_ints({0, static_cast<int32_t>(T)}, dev);
-    s.shared_rows = device_ints({static_cast<int32_t>(T)}, dev);
-    s.shared_a = Tensor::empty({T, P, Fs}, c.dtype, dev);
-    s.shared_h = Tensor::empty({T, Fs}, c.dtype, dev);
-    s.shared_y = Tensor::empty({T, H}, c.dtype, dev);
+    // One group of T rows; a synchronous copy, so only when T changes.
+    if (s.shared_tokens != T || !(s.shared_rows.device() == dev)) {
+      s.shared_offsets = device_ints({0, static_cast<int32_t>(T)}, dev);
+      s.shared_rows = device_ints({static_cast<int32_t>(T)}, dev);
+      s.shared_tokens = T;
+    }
+    ensure(s.shared_a, {T, P, Fs}, c.dtype, dev);
+    ensure(s.shared_h, {T, Fs}, c.dtype, dev);
+    ensure(s.shared_y, {T, H}, c.dtype, dev);
     MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
     expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, stream);
     detail::add(out, s.shared_y, out, stream);
   }
-  return ctx;
 }
 
 void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,
@@ -237,38 +260,35 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   const int64_t cap = group_.recv_capacity_rows();
 
   // Routed experts, from the output back to the tokens.
-  Tensor d_y = Tensor::empty({cap, H}, c.dtype, dev);
-  Tensor d_recv_weights = Tensor::empty({cap}, gt, dev);
+  const Tensor& d_y = ensure(s.d_y, {cap, H}, c.dtype, dev);
+  const Tensor& d_recv_weights = ensure(s.d_recv_weights, {cap}, gt, dev);
   const TensorRef combine_weights = c.apply_weights_early ? TensorRef() : s.recv_weights.ref();
   combine_backward(group_, s.handle, d_out, s.y, combine_weights, d_y,
                    c.apply_weights_early ? TensorRef() : d_recv_weights.ref(), stream);
-  Tensor d_recv_x = Tensor::empty({cap, H}, c.dtype, dev);
+  const Tensor& d_recv_x = ensure(s.d_recv_x, {cap, H}, c.dtype, dev);
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
                 params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
   MlpGrads mg{d_y, d_recv_x, c.apply_weights_early ? d_recv_weights.ref() : TensorRef(),
               grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
   expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision}, mt, mg, stream);
-  Tensor d_x_routed = Tensor::empty({T, H}, c.dtype, dev);
-  Tensor d_topk_weights = Tensor::empty({T, K}, gt, dev);
+  const Tensor& d_x_routed = ensure(s.d_x_routed, {T, H}, c.dtype, dev);
+  const Tensor& d_topk_weights = ensure(s.d_topk_weights, {T, K}, gt, dev);
   dispatch_backward(group_, s.handle, d_recv_x, d_recv_weights, d_x_routed, d_topk_weights, stream);
 
   // Router and gate.
-  Tensor d_logits = Tensor::empty({T, E}, gt, dev);
+  const Tensor& d_logits = ensure(s.d_logits, {T, E}, gt, dev);
   route_backward(c.router, s.logits, params_.expert_bias, s.topk_idx, d_topk_weights, s.stats, d_aux, d_z, d_logits,
                  stream);
-  Tensor d_logits_dt = d_logits;
-  if (c.dtype != gt) {
-    d_logits_dt = Tensor::empty({T, E}, c.dtype, dev);
-    detail::cast(d_logits, d_logits_dt, stream);
-  }
+  const Tensor& d_logits_dt = c.dtype == gt ? d_logits : ensure(s.d_logits_dt, {T, E}, c.dtype, dev);
+  if (c.dtype != gt) detail::cast(d_logits, d_logits_dt, stream);
   gemm(s.x, d_logits_dt, grads_.gate, true, false, false, stream);
-  Tensor d_x_acc = Tensor::empty({T, H}, gt, dev);
+  const Tensor& d_x_acc = ensure(s.d_x_acc, {T, H}, gt, dev);
   gemm(d_logits_dt, params_.gate, d_x_acc, false, true, false, stream);
   detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
 
   if (c.shared_ffn_hidden > 0) {
-    Tensor d_x_shared = Tensor::empty({T, H}, c.dtype, dev);
+    const Tensor& d_x_shared = ensure(s.d_x_shared, {T, H}, c.dtype, dev);
     MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
     MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};

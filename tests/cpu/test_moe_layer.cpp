@@ -404,3 +404,81 @@ TEST(MoELayerErrors, BadInputs) {
 
 }  // namespace
 }  // namespace epx
+
+namespace epx {
+namespace {
+
+// A context reused step after step gives exactly what a fresh context gives, and keeps its buffers
+// (the addresses a captured CUDA graph relies on).
+TEST(MoELayer, ReusedContextMatchesFreshContext) {
+  MoEConfig c = base_config(DType::kF32);
+  const int R = 2;
+  const int64_t T = 6;
+  Rig rig(c, R, T, 17);
+  std::vector<Tensor> xb(R), cb(R);
+  for (int r = 0; r < R; ++r) {
+    xb[r] = normal({T, c.hidden}, c.dtype, 555, r);
+    cb[r] = normal({T, c.hidden}, c.dtype, 556, r);
+  }
+  run_ranks(rig.groups, [&](Group& g) {
+    const int r = g.rank();
+    MoELayer& L = *rig.layers[r];
+    Tensor out_fresh = Tensor::zeros({T, c.hidden}, c.dtype), dx_fresh = Tensor::zeros({T, c.hidden}, c.dtype);
+    Tensor out_reused = Tensor::zeros({T, c.hidden}, c.dtype), dx_reused = Tensor::zeros({T, c.hidden}, c.dtype);
+    MoEContext reused;
+    // step 1 on batch a, step 2 on batch b: the reused context must not leak anything of step 1
+    L.forward(rig.x[r], out_reused, reused);
+    L.backward(reused, rig.c[r], dx_reused);
+    const void* logits_before = reused.topk_weights().data();
+    L.forward(xb[r], out_reused, reused);
+    L.backward(reused, cb[r], dx_reused);
+    const Tensor w_in_reused = L.grads().w_in.to(Device::cpu());
+    EXPECT_EQ(reused.topk_weights().data(), logits_before) << "a reused context must keep its buffers";
+    MoEContext fresh = L.forward(xb[r], out_fresh);
+    L.backward(fresh, cb[r], dx_fresh);
+    for (int64_t i = 0; i < out_fresh.numel(); ++i) {
+      ASSERT_EQ(out_reused.item(i), out_fresh.item(i)) << "rank " << r << " out element " << i;
+      ASSERT_EQ(dx_reused.item(i), dx_fresh.item(i)) << "rank " << r << " d_x element " << i;
+    }
+    for (int64_t i = 0; i < w_in_reused.numel(); ++i)
+      ASSERT_EQ(w_in_reused.item(i), L.grads().w_in.item(i)) << "rank " << r << " d_w_in element " << i;
+  });
+}
+
+// Expert weight gradients in the layer dtype are the fp32 gradients rounded once.
+TEST(MoELayer, ExpertGradsInLayerDtypeAreRoundedFp32Grads) {
+  MoEConfig c = base_config(DType::kBF16);
+  MoEConfig cb = c;
+  cb.expert_grads_in_dtype = true;
+  GroupConfig gc = group_for(c, 8);
+  auto g32 = Group::create_simulated(1, gc);
+  auto g16 = Group::create_simulated(1, gc);
+  MoELayer l32(g32[0], c), l16(g16[0], cb);
+  l32.init_params(4, 0.5);
+  l16.init_params(4, 0.5);
+  EXPECT_EQ(l32.grads().w_in.dtype(), DType::kF32);
+  EXPECT_EQ(l16.grads().w_in.dtype(), DType::kBF16);
+  EXPECT_EQ(l16.grads().gate.dtype(), DType::kF32) << "replicated parameters keep fp32 gradients";
+  Tensor x = normal({8, c.hidden}, c.dtype, 4, 1), d = normal({8, c.hidden}, c.dtype, 4, 2);
+  for (auto* L : {&l32, &l16}) {
+    Tensor out = Tensor::zeros({8, c.hidden}, c.dtype), dx = Tensor::zeros({8, c.hidden}, c.dtype);
+    std::vector<Group>& gs = L == &l32 ? g32 : g16;
+    run_ranks(gs, [&](Group&) {
+      MoEContext ctx = L->forward(x, out);
+      L->backward(ctx, d, dx);
+    });
+  }
+  int nonzero = 0;
+  for (auto which : {&MoEParams::w_in, &MoEParams::w_out}) {
+    const Tensor& a = l32.grads().*which;
+    const Tensor& b = l16.grads().*which;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      ASSERT_EQ(b.item(i), round_to_dtype(a.item(i), DType::kBF16)) << "element " << i;
+      nonzero += a.item(i) != 0;
+    }
+  }
+  EXPECT_GT(nonzero, 0);
+}
+
+}  // namespace
+}  // namespace epx

@@ -7,6 +7,7 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
+#include "core/random.h"
 
 namespace epx::cuda {
 namespace {
@@ -61,7 +62,94 @@ int grid_for(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, int64_t(sm_count()) * 8)));
 }
 
+// Per-block partial sums of 0.5 * scale * d^2 with d = out - target; d_out = round(scale * d).
+// The partials are summed by one block in block order, so the loss is the same bits every run.
+__global__ void squared_error_kernel(const void* out, int co, const void* target, int ct, void* d_out, int cd,
+                                     double scale, int64_t n, double* partials) {
+  __shared__ double red[32];
+  double acc = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double d = load_any(out, co, i) - load_any(target, ct, i);
+    acc += d * d;
+    store_any(d_out, cd, i, scale * d, true);
+  }
+  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double s = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += red[w];
+    partials[blockIdx.x] = 0.5 * scale * s;
+  }
+}
+
+__global__ void sum_partials_kernel(const double* partials, int count, void* loss, int cl) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  double s = 0;
+  for (int i = 0; i < count; ++i) s += partials[i];
+  store_any(loss, cl, 0, s, true);
+}
+
+__global__ void axpy_kernel(double alpha, const void* x, int cx, void* y, int cy, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    store_any(y, cy, i, load_any(y, cy, i) + alpha * load_any(x, cx, i), true);
+}
+
+__global__ void fill_normal_kernel(void* t, int ct, uint64_t seed, uint64_t stream_id, double stddev,
+                                   int64_t first_index, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    store_any(t, ct, i, stddev * detail::counter_normal(seed, stream_id, static_cast<uint64_t>(first_index + i)), true);
+}
+
 }  // namespace
+
+void fill_normal(const TensorRef& t, uint64_t seed, uint64_t stream_id, double stddev, int64_t first_index,
+                 Stream stream) {
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  fill_normal_kernel<<<grid_for(n), 256, 0, to_cuda(stream)>>>(t.data(), code_of(t.dtype()), seed, stream_id, stddev,
+                                                               first_index, n);
+  EPX_CHECK_LAUNCH("fill_normal_kernel");
+}
+
+void fill_zero(const TensorRef& t, Stream stream) {
+  if (t.nbytes() == 0) return;
+  EPX_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, t.nbytes(), to_cuda(stream)));
+}
+
+void squared_error(const TensorRef& out, const TensorRef& target, double scale, const TensorRef& d_out,
+                   const TensorRef& loss, Stream stream) {
+  const int64_t n = out.numel();
+  // A fixed grid (not one sized by the SM count) keeps the summation order, hence the bits, the
+  // same on every GPU.
+  constexpr int kBlocks = 264;
+  static thread_local double* partials = nullptr;
+  static thread_local int partials_device = -1;
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  if (partials == nullptr || partials_device != dev) {
+    EPX_CUDA_CHECK(cudaMalloc(&partials, kBlocks * sizeof(double)));
+    partials_device = dev;
+  }
+  cudaStream_t s = to_cuda(stream);
+  squared_error_kernel<<<kBlocks, 256, 0, s>>>(out.data(), code_of(out.dtype()), target.data(),
+                                               code_of(target.dtype()), d_out.data(), code_of(d_out.dtype()), scale,
+                                               n, partials);
+  EPX_CHECK_LAUNCH("squared_error_kernel");
+  sum_partials_kernel<<<1, 32, 0, s>>>(partials, kBlocks, loss.data(), code_of(loss.dtype()));
+  EPX_CHECK_LAUNCH("sum_partials_kernel");
+}
+
+void axpy(double alpha, const TensorRef& x, const TensorRef& y, Stream stream) {
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  axpy_kernel<<<grid_for(n), 256, 0, to_cuda(stream)>>>(alpha, x.data(), code_of(x.dtype()), y.data(),
+                                                        code_of(y.dtype()), n);
+  EPX_CHECK_LAUNCH("axpy_kernel");
+}
 
 void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream) {
   const int64_t n = out.numel();

@@ -6,7 +6,7 @@
 //           -> y = h . w_out.
 // Backward: d_h = d_y . w_out^T (fp32) -> d_a (bf16) and d_row_weights from the saved a ->
 //           d_x = sum_p d_a_p . w_in[:, p]^T accumulated in fp32, rounded once -> weight
-//           gradients by grouped wgrad (fp32, empty experts zero).
+//           gradients by grouped wgrad (fp32 or bf16 as d_w is, empty experts zero).
 // Differences from the reference, within bf16 rounding: the activation reads the rounded a (the
 // GEMM writes bf16), d_h and d_a are rounded where the reference keeps fp32, and sums run in the
 // tensor cores' order. Biases and the FP8 precisions are not on this path yet (kNotSupported).
@@ -185,6 +185,35 @@ __global__ void zero_padding_kernel(int64_t H, int64_t total_rows, const int32_t
   }
 }
 
+// The wgrad kernels write every element of a group with rows; an empty group gets no tiles, so
+// only those are zeroed here (a memset of the whole gradient would write gigabytes at large E).
+// Works in 32-bit words: every group of an fp32 or bf16 gradient is a whole number of them (N % 8 == 0).
+__global__ void zero_empty_groups_kernel(uint32_t* out, int64_t group_words, const int32_t* rows) {
+  if (rows[blockIdx.y] != 0) return;
+  uint32_t* o = out + static_cast<int64_t>(blockIdx.y) * group_words;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < group_words;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    o[i] = 0u;
+}
+
+void zero_empty_groups(const TensorRef& out, int64_t group_elems, const int32_t* rows, int G, cudaStream_t s) {
+  const int64_t words = group_elems * static_cast<int64_t>(dtype_size(out.dtype())) / 4;
+  if (G == 0 || words == 0) return;
+  const int per_group = static_cast<int>(std::min<int64_t>((words + 1023) / 1024, 64));
+  zero_empty_groups_kernel<<<dim3(per_group, G), 256, 0, s>>>(static_cast<uint32_t*>(out.data()), words, rows);
+  EPX_CHECK_LAUNCH("zero_empty_groups_kernel");
+}
+
+// Weight gradient of one grouped operand pair into fp32 or bf16 (the dtype of dw).
+void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem_offset, int64_t group_stride,
+           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, Stream stream) {
+  if (dw.dtype() == DType::kF32)
+    grouped_wgrad_bf16(a, d, dw.ptr<float>() + elem_offset, group_stride, K, N, offsets, rows, G, stream);
+  else
+    grouped_wgrad_bf16_out(a, d, static_cast<__nv_bfloat16*>(dw.data()) + elem_offset, group_stride, K, N, offsets,
+                           rows, G, stream);
+}
+
 // fp32 scratch per device, grown on demand (the first call of a size allocates; later calls and
 // graph captures after a warm-up do not).
 float* scratch(int slot, size_t elems) {
@@ -243,8 +272,10 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   require_bf16_path(fn, t.x, H, F);
   require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
                  "expert biases and the FP8 precisions run on the CPU reference only for now");
-  require_status(d.d_w_in.dtype() == DType::kF32 && d.d_w_out.dtype() == DType::kF32, Status::kNotSupported, fn,
-                 "the GPU weight gradients are fp32");
+  auto grad_dtype_ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
+  require_status(grad_dtype_ok(d.d_w_in.dtype()) && grad_dtype_ok(d.d_w_out.dtype()), Status::kNotSupported, fn,
+                 "d_w_in is ", dtype_name(d.d_w_in.dtype()), " and d_w_out is ", dtype_name(d.d_w_out.dtype()),
+                 "; the GPU weight gradients are fp32 or bf16");
   cudaStream_t s = to_cuda(stream);
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
@@ -263,13 +294,11 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
                        p > 0, off, rows, G, R, stream);
   finish_rows_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, d_x, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("finish_rows_kernel");
-  EPX_CUDA_CHECK(cudaMemsetAsync(d.d_w_out.data(), 0, d.d_w_out.nbytes(), s));
-  EPX_CUDA_CHECK(cudaMemsetAsync(d.d_w_in.data(), 0, d.d_w_in.nbytes(), s));
-  grouped_wgrad_bf16({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out.ptr<float>(), F * H, F, H, off, rows, G,
-                     stream);
+  zero_empty_groups(d.d_w_out, F * H, rows, G, s);
+  zero_empty_groups(d.d_w_in, P * H * F, rows, G, s);
+  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
   for (int64_t p = 0; p < P; ++p)
-    grouped_wgrad_bf16({t.x.data(), H, 0}, {d_a + p * F, P * F, 0}, d.d_w_in.ptr<float>() + p * H * F, P * H * F, H, F,
-                       off, rows, G, stream);
+    wgrad({t.x.data(), H, 0}, {d_a + p * F, P * F, 0}, d.d_w_in, p * H * F, P * H * F, H, F, off, rows, G, stream);
 }
 
 void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
@@ -303,11 +332,12 @@ void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef
   const int64_t K = x.size(1), N = dy.size(1);
   const int G = static_cast<int>(rows.size(0));
   require_bf16_path("epx::grouped_gemm_wgrad", x, K, N);
-  require_status(dw.dtype() == DType::kF32 && !accumulate, Status::kNotSupported, "epx::grouped_gemm_wgrad",
-                 "the GPU wgrad writes fp32 dw without accumulate");
-  EPX_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), to_cuda(stream)));
-  grouped_wgrad_bf16({x.data(), K, 0}, {dy.data(), N, 0}, dw.ptr<float>(), K * N, K, N, offsets.ptr<int32_t>(),
-                     rows.ptr<int32_t>(), G, stream);
+  require_status((dw.dtype() == DType::kF32 || dw.dtype() == DType::kBF16) && !accumulate, Status::kNotSupported,
+                 "epx::grouped_gemm_wgrad", "dw is ", dtype_name(dw.dtype()), (accumulate ? " with accumulate" : ""),
+                 "; the GPU wgrad writes fp32 or bf16 dw without accumulate");
+  zero_empty_groups(dw, K * N, rows.ptr<int32_t>(), G, to_cuda(stream));
+  wgrad({x.data(), K, 0}, {dy.data(), N, 0}, dw, 0, K * N, K, N, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
+        stream);
 }
 
 }  // namespace epx::cuda

@@ -26,5 +26,9 @@ void grouped_wgrad_bf16(GroupedOperand, GroupedOperand, float*, int64_t, int64_t
                         const int32_t*, int, Stream) {
   unavailable();
 }
+void grouped_wgrad_bf16_out(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
+                            const int32_t*, int, Stream) {
+  unavailable();
+}
 
 }  // namespace epx::cuda

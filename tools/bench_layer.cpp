@@ -1,0 +1,122 @@
+// `epx bench layer`: the MoE layer's forward and forward+backward time on every local GPU (one
+// process per GPU), with the tensor-core floor of its expert GEMMs measured in the same run (dense
+// bf16 GEMM FLOP/s on this GPU) and the GPU memory in use, as JSON lines (rank 0 prints).
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/device_memory.h"
+#include "core/version.h"
+#include "epx/grouped_gemm.h"
+#include "epx/moe.h"
+#include "epx/presets.h"
+#include "moe/elementwise.h"
+#include "tools/args.h"
+#include "tools/commands.h"
+#include "tools/launch.h"
+#include "tools/layer_run.h"
+
+namespace epx::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Mean time of fn over iters calls, after one warm-up call, synchronising only at the ends.
+template <class F>
+double time_us(int device, int iters, F&& fn) {
+  fn();
+  detail::device_synchronize(device);
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  detail::device_synchronize(device);
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / iters;
+}
+
+// Dense bf16 GEMM FLOP/s at a large square shape: the tensor-core rate the floor is measured against.
+double dense_bf16_flops(Device dev) {
+  const int64_t n = 8192;
+  Tensor a = Tensor::empty({n, n}, DType::kBF16, dev), b = Tensor::empty({n, n}, DType::kBF16, dev);
+  Tensor c = Tensor::empty({n, n}, DType::kBF16, dev);
+  detail::fill_normal(a, 5, 1, 1.0);
+  detail::fill_normal(b, 5, 2, 1.0);
+  const double us = time_us(dev.index, 20, [&] { gemm(a, b, c); });
+  return 2.0 * n * n * n / (us * 1e-6);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, int iters) {
+  const bool talk = launcher_rank() == 0;
+  for (const std::string& name : presets) {
+    const ShapePreset& p = find_preset(name);
+    const int64_t T = tokens > 0 ? tokens : p.tokens;
+    MoEConfig c = moe_config(p, DType::kBF16);
+    c.expert_grads_in_dtype = true;  // bf16 weight gradients, as a bf16 PyTorch model keeps them
+    Group group = make_gpu_group(layer_group_config(c, T));
+    const int dev = group.device().index;
+    const size_t used_before_layer = detail::device_memory_used(dev);
+    const double dense = dense_bf16_flops(group.device());
+    LayerRun run(group, c, T, 1);
+    run.forward_backward();  // allocations and kernel initialisation
+    const double fwd = time_us(dev, iters, [&] { run.forward(); });
+    const double fwd_bwd = time_us(dev, iters, [&] { run.forward_backward(); });
+    group.check();
+    const double mem = static_cast<double>(detail::device_memory_used(dev));
+    const double flops = 3.0 * run.forward_gemm_flops();  // forward + dgrad + wgrad
+    const double floor_us = flops / dense * 1e6;
+    if (talk)
+      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
+                  "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
+                  "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
+                  "\"tensor_core_floor_us\":%.1f,\"fwd_bwd_over_floor\":%.3f,\"achieved_tflops_fwd_bwd\":%.1f,"
+                  "\"gpu_mem_used_gb\":%.2f,\"gpu_mem_layer_gb\":%.2f,\"registered_gb\":%.3f,\"iters\":%d}\n",
+                  p.name.c_str(), group.size(), static_cast<long long>(T), static_cast<long long>(c.hidden),
+                  static_cast<long long>(c.ffn_hidden), static_cast<long long>(c.shared_ffn_hidden),
+                  c.router.num_experts, c.router.topk, transport_name(group.transport()), fwd, fwd_bwd, flops / 1e12,
+                  dense / 1e12, floor_us, fwd_bwd / floor_us, flops / (fwd_bwd * 1e-6) / 1e12, mem / 1e9,
+                  (mem - static_cast<double>(used_before_layer)) / 1e9, group.registered_bytes() / 1e9, iters);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_bench(const std::vector<std::string>& argv) {
+  const std::string what = argv.empty() ? "help" : argv[0];
+  const std::vector<std::string> rest(argv.begin() + (argv.empty() ? 0 : 1), argv.end());
+  if (what != "layer") {
+    std::printf("usage: epx bench layer [--preset deepseek-v3,mixtral] [--tokens T] [--iters N] [--ranks N]\n"
+                "  the MoE layer forward and forward+backward on every local GPU (one process per GPU), with\n"
+                "  the tensor-core floor of its expert GEMMs and the GPU memory in use; JSON lines\n");
+    return what == "help" || what == "--help" ? 0 : 2;
+  }
+  Args args("epx bench layer", rest, {"preset", "tokens", "iters", "ranks"}, {});
+  const BuildInfo build = build_info();
+  const int gpus = detail::cuda_device_count();
+  require_status(build.cuda_backend && build.gpu_grouped_gemm && gpus > 0, Status::kNotSupported, "epx bench layer",
+                 "needs a GPU and a build with the CUDA backend and the CUTLASS grouped GEMMs (",
+                 gpus, " GPU(s) visible, CUDA backend ", build.cuda_backend ? "on" : "off", ", grouped GEMMs ",
+                 build.gpu_grouped_gemm ? "on" : "off", ")");
+  const std::vector<std::string> presets = split(args.str("preset", "deepseek-v3,mixtral"));
+  const long long tokens = args.integer("tokens", 0);
+  const int iters = static_cast<int>(args.integer("iters", 10));
+  require(iters >= 1 && tokens >= 0, "epx bench layer", "--iters must be >= 1 and --tokens >= 0");
+  if (started_by_launcher()) return bench_layer_rank(presets, tokens, iters);
+  const int R = static_cast<int>(args.integer("ranks", gpus));
+  require(R >= 1 && R <= gpus, "epx bench layer", "--ranks is ", R, ", expected 1..", gpus);
+  if (R == 1) return bench_layer_rank(presets, tokens, iters);
+  std::vector<std::string> child{"bench"};
+  child.insert(child.end(), argv.begin(), argv.end());
+  return run_local_ranks(R, child);
+}
+
+}  // namespace epx::tools

@@ -1,0 +1,21 @@
+// One process per local GPU, the way a job launcher (torchrun, mpirun, srun) would start them, so
+// `epx demo` and `epx bench` use every GPU of the machine with nothing but the epx binary.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace epx::tools {
+
+/// True when this process was started by a launcher (RANK and WORLD_SIZE are set).
+bool started_by_launcher();
+/// Rank 0 prints; the others stay quiet (0 when no launcher started us).
+int launcher_rank();
+
+/// Starts `ranks` copies of this executable with `args` (RANK, WORLD_SIZE, LOCAL_RANK and a fresh
+/// EPX_NCCL_ID_FILE set), waits for all of them and returns the worst exit code. If one rank
+/// fails, the others are given `grace_s` seconds (their device waits time out and name the missing
+/// peer) before they are stopped.
+int run_local_ranks(int ranks, const std::vector<std::string>& args, int grace_s = 60);
+
+}  // namespace epx::tools
