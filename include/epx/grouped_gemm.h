@@ -17,8 +17,9 @@
 // apply_weights_early] is computed from the UNROUNDED acc and rounded once, FC2 reads that rounded
 // h; backward recomputes act and act' from the saved (rounded) a.
 //
-// Weights. w_in [G, P, H, F] with P = 2 stacked projections for gated activations (wi_0, wi_1 on
-// their own axis) or P = 1; w_out [G, F, H]; optional biases b_in [G, P, F] and b_out [G, H] are
+// Weights. w_in [G, H, P, F] with P = 2 stacked projections for gated activations (wi_0, wi_1
+// side by side in each row, so FC1 is ONE GEMM of N = P*F per expert: [H, P*F]) or P = 1;
+// w_out [G, F, H]; optional biases b_in [G, P, F] and b_out [G, H] are
 // both given or both absent (one without the other is an error, never a silent zero).
 //
 // Dtypes. Data (x, weights, biases, a, h, y, d_y, d_x) in one of bf16, fp16, fp32, fp64.
@@ -90,7 +91,7 @@ struct MlpTensors {
   TensorRef offsets;      // [G+1] int32
   TensorRef rows;         // [G] int32
   TensorRef row_weights;  // [rows] fp32 (fp64 with fp64 data), apply_weights_early only
-  TensorRef w_in;         // [G, P, H, F]
+  TensorRef w_in;         // [G, H, P, F]
   TensorRef b_in;         // [G, P, F] optional
   TensorRef w_out;        // [G, F, H]
   TensorRef b_out;        // [G, H] optional

@@ -52,11 +52,11 @@ struct MoEConfig {
 struct MoEParams {
   Tensor gate;          // [H, E]
   Tensor expert_bias;   // [E] fp32, when router.use_expert_bias (updated, never trained)
-  Tensor w_in;          // [E_local, P, H, F]
+  Tensor w_in;          // [E_local, H, P, F]
   Tensor b_in;          // [E_local, P, F] when expert_bias_terms
   Tensor w_out;         // [E_local, F, H]
   Tensor b_out;         // [E_local, H] when expert_bias_terms
-  Tensor shared_w_in;   // [1, P, H, Fs] when shared_ffn_hidden > 0
+  Tensor shared_w_in;   // [1, H, P, Fs] when shared_ffn_hidden > 0
   Tensor shared_w_out;  // [1, Fs, H]
 };
 

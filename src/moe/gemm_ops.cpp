@@ -114,19 +114,19 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
     const bool block = c.precision == MlpPrecision::kFp8Block;
     const int64_t S = block ? (d.H + 127) / 128 : (d.H + 31) / 32;
     check_tensor(fn, "x_scales", t.x_scales, {d.R, S}, {block ? DType::kF32 : DType::kE8M0});
-    check_tensor(fn, "w_in", t.w_in, {-1, -1, d.H, -1}, {DType::kBF16, DType::kF16, DType::kF32});
+    check_tensor(fn, "w_in", t.w_in, {-1, d.H, -1, -1}, {DType::kBF16, DType::kF16, DType::kF32});
   }
   const DType dt = x_fp8 ? t.w_in.dtype() : t.x.dtype();
   require(c.precision == MlpPrecision::kHigh || dt != DType::kF64, fn,
           "config.precision is ", mlp_precision_name(c.precision), ", which needs bf16, fp16 or fp32 data, not fp64");
   d.P = is_gated(c.activation) ? 2 : 1;
   d.G = check_layout(fn, t.offsets, t.rows);
-  check_tensor(fn, "w_in", t.w_in, {d.G, -1, d.H, -1}, {dt});
+  check_tensor(fn, "w_in", t.w_in, {d.G, d.H, -1, -1}, {dt});
   d.F = t.w_in.size(3);
-  require(t.w_in.size(1) == d.P, fn, "w_in has shape ", t.w_in.shape().str(), ", expected [", d.G, ", ", d.P, ", ",
-          d.H, ", ", d.F, "] for ", activation_name(c.activation),
-          d.P == 2 ? " (a gated activation stacks its two input projections on axis 1)"
-                   : " (one input projection on axis 1)");
+  require(t.w_in.size(2) == d.P, fn, "w_in has shape ", t.w_in.shape().str(), ", expected [", d.G, ", ", d.H, ", ",
+          d.P, ", ", d.F, "] for ", activation_name(c.activation),
+          d.P == 2 ? " (a gated activation stacks its two input projections on axis 2)"
+                   : " (one input projection on axis 2)");
   check_tensor(fn, "w_out", t.w_out, {d.G, d.F, d.H}, {dt});
 
   require(t.b_in.defined() == t.b_out.defined(), fn, "partial bias set: ",
@@ -259,7 +259,7 @@ void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const Mlp
     require(!g.d_row_weights.defined(), fn,
             "d_row_weights is given but config.apply_weights_early is false (the weights get their gradient in "
             "combine_backward)");
-  check_wide_or_same(fn, "d_w_in", g.d_w_in, {d.G, d.P, d.H, d.F}, wdt);
+  check_wide_or_same(fn, "d_w_in", g.d_w_in, {d.G, d.H, d.P, d.F}, wdt);
   check_wide_or_same(fn, "d_w_out", g.d_w_out, {d.G, d.F, d.H}, wdt);
   if (d.bias) {
     require(g.d_b_in.defined(), fn, "d_b_in is missing (the layer has biases: b_in and b_out are given)");

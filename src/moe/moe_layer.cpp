@@ -115,14 +115,14 @@ MoELayer::MoELayer(Group& group, const MoEConfig& config) : group_(group), confi
   const DType dt = config.dtype, gt = accum_dtype(dt);
   auto make = [&](MoEParams& p, DType t, DType expert_t) {
     p.gate = Tensor::zeros({H, E}, t, dev);
-    p.w_in = Tensor::zeros({Le, P, H, F}, expert_t, dev);
+    p.w_in = Tensor::zeros({Le, H, P, F}, expert_t, dev);
     p.w_out = Tensor::zeros({Le, F, H}, expert_t, dev);
     if (config.expert_bias_terms) {
       p.b_in = Tensor::zeros({Le, P, F}, expert_t, dev);
       p.b_out = Tensor::zeros({Le, H}, expert_t, dev);
     }
     if (Fs > 0) {
-      p.shared_w_in = Tensor::zeros({1, P, H, Fs}, t, dev);
+      p.shared_w_in = Tensor::zeros({1, H, P, Fs}, t, dev);
       p.shared_w_out = Tensor::zeros({1, Fs, H}, t, dev);
     }
   };

@@ -1,7 +1,7 @@
 // CPU reference of the expert FFN, forward and backward, one real row at a time per group.
 //
 // Forward, row r of group j (Acc = fp32, fp64 for fp64 data; every sum ascending):
-//   acc_p  = sum_k x[r, k] w_in[j, p, k, :]  (+ b_in[j, p, :])      bias added to the finished sum
+//   acc_p  = sum_k x[r, k] w_in[j, k, p, :]  (+ b_in[j, p, :])      bias added to the finished sum
 //   a[r,p] = round(acc_p)                                           saved for backward
 //   act    = silu(acc_0) * acc_1 | gelu_tanh(acc_0) * acc_1 | gelu_tanh(acc_0) | relu(acc_0)^2
 //            from the UNROUNDED accumulators, times row_weights[r] when early
@@ -12,17 +12,20 @@
 //   early: d_row_weights[r] = sum_f d_h[f] act_u[f] (act_u = unweighted act), d_act = d_h w_r;
 //   else d_act = d_h
 //   d_a_0  = d_act * d act / d a_0,  d_a_1 = d_act * d act / d a_1  (gated)   kept in Acc
-//   d_x[r] = round( sum over (p, f) ascending of d_a_p[f] w_in[j, p, :, f] )
+//   d_x[r] = round( sum over (p, f) ascending of d_a_p[f] w_in[j, :, p, f] )
 //   d_w_out[j] = round(sum_r h[r]^T d_y[r]), d_b_out[j] = round(sum_r d_y[r]),
-//   d_w_in[j, p] = round(sum_r x[r]^T d_a_p[r]), d_b_in[j, p] = round(sum_r d_a_p[r]),
+//   d_w_in[j, :, p] = round(sum_r x[r]^T d_a_p[r]), d_b_in[j, p] = round(sum_r d_a_p[r]),
 //   each sum over the group's real rows in ascending order (zeros for an empty group).
 // Padding rows of a, h, y, d_x and d_row_weights are written as zeros; rows at or past
 // offsets[G] are not touched.
 // FP8 precisions (forward only): every GEMM operand is replaced by its quantize -> dequantize
-// image (x and h rows with the activation recipe, w_in[j, p] and w_out[j] with the weight recipe,
+// image (x and h rows with the activation recipe, each projection w_in[j, :, p] and w_out[j] with
+// the weight recipe,
 // blocks along the contraction dim); an fp8 x is dequantized with its scales. Backward uses the
 // saved (unquantized) a and h, the unquantized weights, and x as the forward saw it.
 #include "ref/expert_mlp.h"
+
+#include <cstring>
 
 #include <cmath>
 #include <vector>
@@ -117,6 +120,24 @@ std::vector<Acc> quantized_image(const TensorRef& src, int64_t offset, int64_t M
   return std::vector<Acc>(out.ptr<float>(), out.ptr<float>() + M * N);
 }
 
+// What an FP8 GEMM sees of expert j's stacked w_in [H, P*F]: each projection's [H, F] matrix is
+// quantized on its own (its blocks never straddle two projections), the images stacked again.
+template <class Acc>
+std::vector<Acc> quantized_w_in(const TensorRef& w_in, int64_t j, int64_t H, int64_t P, int64_t F, QuantRecipe r) {
+  const int64_t PF = P * F;
+  std::vector<Acc> out(H * PF);
+  Tensor proj = Tensor::empty({H, F}, w_in.dtype());
+  const size_t es = dtype_size(w_in.dtype());
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t k = 0; k < H; ++k)
+      std::memcpy(static_cast<char*>(proj.data()) + k * F * es,
+                  static_cast<const char*>(w_in.data()) + ((j * H + k) * PF + p * F) * es, F * es);
+    const std::vector<Acc> img = quantized_image<Acc>(proj, 0, H, F, r);
+    for (int64_t k = 0; k < H; ++k) std::copy(img.begin() + k * F, img.begin() + (k + 1) * F, out.begin() + k * PF + p * F);
+  }
+  return out;
+}
+
 // Row r of x as a GEMM consumes it: dequantized when x is fp8, quantized first under an FP8
 // precision (forward only), as is otherwise.
 template <class Acc>
@@ -145,7 +166,7 @@ void zero_padding(const TensorRef& t, const GroupSpan& g, int64_t width) {
 
 template <class Acc>
 void forward_impl(const MlpConfig& c, const MlpTensors& t) {
-  const int64_t H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3), PF = P * F;
+  const int64_t H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
   const bool bias = t.b_in.defined(), early = c.apply_weights_early, gated = P == 2;
   const bool fp8 = c.precision != MlpPrecision::kHigh;
   const std::vector<GroupSpan> groups = read_groups("epx::expert_mlp_forward", t.offsets, t.rows, t.x.size(0));
@@ -154,15 +175,12 @@ void forward_impl(const MlpConfig& c, const MlpTensors& t) {
     const GroupSpan& g = groups[jj];
     const int64_t j = static_cast<int64_t>(jj);
     if (g.rows > 0) {
-      std::vector<Acc> w_in, w_out;
+      std::vector<Acc> w_in, w_out;  // w_in [H, P*F]: the projections side by side in each row
       if (fp8) {
-        for (int64_t p = 0; p < P; ++p) {
-          const std::vector<Acc> b = quantized_image<Acc>(t.w_in, (j * P + p) * H * F, H, F, weight_recipe(c.precision));
-          w_in.insert(w_in.end(), b.begin(), b.end());
-        }
+        w_in = quantized_w_in<Acc>(t.w_in, j, H, P, F, weight_recipe(c.precision));
         w_out = quantized_image<Acc>(t.w_out, j * F * H, F, H, weight_recipe(c.precision));
       } else {
-        w_in = load_matrix<Acc>(t.w_in, j * P * H * F, P * H, F, false);  // P blocks [H, F]
+        w_in = load_matrix<Acc>(t.w_in, j * H * PF, H, PF, false);
         w_out = load_matrix<Acc>(t.w_out, j * F * H, F, H, false);
       }
       if (bias) {
@@ -171,7 +189,7 @@ void forward_impl(const MlpConfig& c, const MlpTensors& t) {
       }
       for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
         load_x_row(c, t, r, H, true, x.data());
-        for (int64_t p = 0; p < P; ++p) row_times_matrix(x.data(), H, w_in.data() + p * H * F, F, acc.data() + p * F);
+        row_times_matrix(x.data(), H, w_in.data(), PF, acc.data());
         if (bias)
           for (int64_t i = 0; i < PF; ++i) acc[i] += b_in[i];
         store_row(t.a.data(), t.a.dtype(), r * PF, PF, acc.data());
@@ -197,12 +215,12 @@ void forward_impl(const MlpConfig& c, const MlpTensors& t) {
 
 template <class Acc>
 void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
-  const int64_t H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3), PF = P * F;
+  const int64_t H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
   const bool bias = t.b_in.defined(), early = c.apply_weights_early, gated = P == 2;
   const std::vector<GroupSpan> groups = read_groups("epx::expert_mlp_backward", t.offsets, t.rows, t.x.size(0));
   std::vector<Acc> x(H), a(PF), h(F), dy(H), dh(F), da(PF), dx(H);
   std::vector<Acc> dw_in(P * H * F), db_in(PF), dw_out(F * H), db_out(H);
-  std::vector<Acc> w_in_t(PF * H);  // [(p, f), k] = w_in[j, p, k, f]: d_x reduces over (p, f)
+  std::vector<Acc> w_in_t;  // [(p, f), k] = w_in[j, k, p, f]: d_x reduces over (p, f)
   for (size_t jj = 0; jj < groups.size(); ++jj) {
     const GroupSpan& g = groups[jj];
     const int64_t j = static_cast<int64_t>(jj);
@@ -211,10 +229,7 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
     std::fill(dw_out.begin(), dw_out.end(), Acc(0));
     std::fill(db_out.begin(), db_out.end(), Acc(0));
     if (g.rows > 0) {
-      for (int64_t p = 0; p < P; ++p) {
-        const std::vector<Acc> block = load_matrix<Acc>(t.w_in, (j * P + p) * H * F, H, F, true);  // [F, H]
-        std::copy(block.begin(), block.end(), w_in_t.begin() + p * F * H);
-      }
+      w_in_t = load_matrix<Acc>(t.w_in, j * H * PF, H, PF, true);  // [P*F, H]
       const std::vector<Acc> w_out_t = load_matrix<Acc>(t.w_out, j * F * H, F, H, true);  // [H, F]
       for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
         load_x_row(c, t, r, H, false, x.data());
@@ -243,17 +258,15 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
           for (int64_t n = 0; n < H; ++n) out[n] += hf * dy[n];
         }
         for (int64_t n = 0; n < H; ++n) db_out[n] += dy[n];
-        for (int64_t p = 0; p < P; ++p)
-          for (int64_t k = 0; k < H; ++k) {
-            const Acc xk = x[k];
-            const Acc* dap = da.data() + p * F;
-            Acc* out = dw_in.data() + (p * H + k) * F;
-            for (int64_t f = 0; f < F; ++f) out[f] += xk * dap[f];
-          }
+        for (int64_t k = 0; k < H; ++k) {
+          const Acc xk = x[k];
+          Acc* out = dw_in.data() + k * PF;
+          for (int64_t i = 0; i < PF; ++i) out[i] += xk * da[i];
+        }
         for (int64_t i = 0; i < PF; ++i) db_in[i] += da[i];
       }
     }
-    store_row(d.d_w_in.data(), d.d_w_in.dtype(), j * P * H * F, P * H * F, dw_in.data());
+    store_row(d.d_w_in.data(), d.d_w_in.dtype(), j * H * PF, H * PF, dw_in.data());
     store_row(d.d_w_out.data(), d.d_w_out.dtype(), j * F * H, F * H, dw_out.data());
     if (bias) {
       store_row(d.d_b_in.data(), d.d_b_in.dtype(), j * PF, PF, db_in.data());

@@ -117,7 +117,7 @@ Problem make_problem(MlpConfig config, bool bias, const Layout& L, int64_t H, in
   p.offsets = ints(L.offsets);
   p.rows = ints(L.rows);
   p.x = random_tensor({R, H}, dt, rng);
-  p.w_in = random_tensor({G, P, H, F}, dt, rng, 0.6);
+  p.w_in = random_tensor({G, H, P, F}, dt, rng, 0.6);
   p.w_out = random_tensor({G, F, H}, dt, rng, 0.6);
   if (bias) {
     p.b_in = random_tensor({G, P, F}, dt, rng, 0.3);
@@ -134,7 +134,7 @@ Problem make_problem(MlpConfig config, bool bias, const Layout& L, int64_t H, in
   p.y = Tensor::full({R, H}, dt, kSentinel);
   p.d_y = random_tensor({R, H}, dt, rng);
   p.d_x = Tensor::full({R, H}, dt, kSentinel);
-  p.d_w_in = Tensor::full({G, P, H, F}, gdt, kSentinel);
+  p.d_w_in = Tensor::full({G, H, P, F}, gdt, kSentinel);
   p.d_w_out = Tensor::full({G, F, H}, gdt, kSentinel);
   if (bias) {
     p.d_b_in = Tensor::full({G, P, F}, gdt, kSentinel);
@@ -175,7 +175,8 @@ double act_d(Activation f, double a0, double a1) {
 
 TEST(ExpertMlp, HandComputedTinyCaseForEveryActivation) {
   // G = 2 (expert 1 empty), H = 2, F = 1, two real rows padded to 4, one slack row.
-  // x0 = [1, 2], x1 = [-2, 0.5]; w_in[0, 0] = [0.5, 0.25]^T, w_in[0, 1] = [1, -1]^T; w_out[0] = [2, -1].
+  // x0 = [1, 2], x1 = [-2, 0.5]; w_in[0, :, 0] = [0.5, 0.25]^T, w_in[0, :, 1] = [1, -1]^T (stored
+  // row by row: [0.5, 1, 0.25, -1]); w_out[0] = [2, -1].
   //   acc0 = [1, -0.875], acc1 = [-1, -2.5]; with biases b_in[0] = [0.5, 0.25], b_out[0] = [0.125, -0.5]:
   //   acc0 = [1.5, -0.375], acc1 = [-0.75, -2.25].
   const Layout L = make_layout({2, 0}, 4, 1);
@@ -185,7 +186,7 @@ TEST(ExpertMlp, HandComputedTinyCaseForEveryActivation) {
         SCOPED_TRACE(std::string(activation_name(act)) + (bias ? " bias" : "") + (early ? " early" : ""));
         Problem p = make_problem({act, early}, bias, L, 2, 1, DType::kF32, DType::kF32, 1);
         const bool gated = is_gated(act);
-        const std::vector<double> w_in = gated ? std::vector<double>{0.5, 0.25, 1, -1} : std::vector<double>{0.5, 0.25};
+        const std::vector<double> w_in = gated ? std::vector<double>{0.5, 1, 0.25, -1} : std::vector<double>{0.5, 0.25};
         const std::vector<double> x = {1, 2, -2, 0.5}, w_out = {2, -1}, rw = {0.5, 0.75};
         for (int i = 0; i < 4; ++i) store_from_double(p.x.data(), DType::kF32, i, x[i]);
         for (size_t i = 0; i < w_in.size(); ++i) store_from_double(p.w_in.data(), DType::kF32, i, w_in[i]);
@@ -247,7 +248,8 @@ TEST(ExpertMlp, ForwardRoundsOnceAtTheDocumentedPoints) {
           Tensor wq = Tensor::empty({G, H, F}, DType::kF32);
           for (int64_t j = 0; j < G; ++j)
             for (int64_t i = 0; i < H * F; ++i)
-              store_from_double(wq.data(), DType::kF32, j * H * F + i, p.w_in.item((j * P + q) * H * F + i));
+              store_from_double(wq.data(), DType::kF32, j * H * F + i,
+                                p.w_in.item(((j * H + i / F) * P + q) * F + i % F));
           acc[q] = Tensor::zeros({R, F}, DType::kF32);
           grouped_gemm_forward(x32, wq, offsets, rows, acc[q]);
         }
@@ -449,10 +451,10 @@ TEST(ExpertMlp, ProjectionCountMustMatchTheActivation) {
   Problem gelu = make_problem({Activation::kGelu, false}, false, L, 64, 32, DType::kBF16, DType::kF32, 1);
   Problem swiglu = make_problem({Activation::kSwiGLU, false}, false, L, 64, 32, DType::kBF16, DType::kF32, 1);
   EXPECT_EQ(what_of([&] { expert_mlp_forward(swiglu.config, gelu.tensors()); }).rfind(
-                "epx::expert_mlp_forward: w_in has shape [4, 1, 64, 32], expected [4, 2, 64, 32] for swiglu", 0),
+                "epx::expert_mlp_forward: w_in has shape [4, 64, 1, 32], expected [4, 64, 2, 32] for swiglu", 0),
             0u);
   EXPECT_EQ(what_of([&] { expert_mlp_backward(gelu.config, swiglu.tensors(), swiglu.grads()); }).rfind(
-                "epx::expert_mlp_backward: w_in has shape [4, 2, 64, 32], expected [4, 1, 64, 32] for gelu", 0),
+                "epx::expert_mlp_backward: w_in has shape [4, 64, 2, 32], expected [4, 64, 1, 32] for gelu", 0),
             0u);
 }
 

@@ -109,7 +109,7 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
       const int G = static_cast<int>(L.rows.size(0));
       const int64_t R = L.total;
       MlpConfig cfg{act, early, MlpPrecision::kHigh};
-      Tensor x = randn({R, H}, DType::kBF16, 10), w_in = randn({G, P, H, F}, DType::kBF16, 11, 0.15);
+      Tensor x = randn({R, H}, DType::kBF16, 10), w_in = randn({G, H, P, F}, DType::kBF16, 11, 0.15);
       Tensor w_out = randn({G, F, H}, DType::kBF16, 12, 0.15), rw = randn({R}, DType::kF32, 13, 0.5);
       Tensor d_y = randn({R, H}, DType::kBF16, 14);
       auto run = [&](bool gpu, Tensor& y, Tensor& d_x, Tensor& d_w_in, Tensor& d_w_out, Tensor& d_rw) {
@@ -121,7 +121,7 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
         MlpTensors t{xs, off, rows, early ? r.ref() : TensorRef(), wi, {}, wo, {}, a, h, y};
         expert_mlp_forward(cfg, t);
         d_x = zeros({R, H}, DType::kBF16);
-        d_w_in = zeros({G, P, H, F}, DType::kF32);
+        d_w_in = zeros({G, H, P, F}, DType::kF32);
         d_w_out = zeros({G, F, H}, DType::kF32);
         d_rw = zeros({R}, DType::kF32);
         const Tensor dys = put(d_y);  // named: the grads view must not outlive its storage

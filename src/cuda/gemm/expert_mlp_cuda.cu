@@ -1,11 +1,12 @@
 // The expert FFN and the public grouped GEMMs on the GPU, composed from the CUTLASS grouped
 // kernels (grouped_gemm_cuda.h) and small elementwise kernels.
 //
-// Forward:  a_p = x . w_in[:, p] (bf16, one grouped GEMM per projection, written into a's strided
-//           [rows, P, F] slots) -> h = act(a) [* w_row] (bf16; padding rows of a, h and y zeroed)
-//           -> y = h . w_out.
-// Backward: d_h = d_y . w_out^T (fp32) -> d_a (bf16) and d_row_weights from the saved a ->
-//           d_x = sum_p d_a_p . w_in[:, p]^T accumulated in fp32, rounded once -> weight
+// w_in is [G, H, P, F]: each expert's FC1 is one [H, P*F] matrix, so FC1, its dgrad and its
+// wgrad are one grouped GEMM each whatever P is.
+// Forward:  a = x . w_in (bf16 [rows, P*F]) -> h = act(a) [* w_row] (bf16; padding rows of a, h
+//           and y zeroed) -> y = h . w_out.
+// Backward: d_h = d_y . w_out^T (bf16) -> d_a (bf16) and d_row_weights from the saved a ->
+//           d_x = d_a . w_in^T (one GEMM over K = P*F, fp32 accumulation, rounded once) -> weight
 //           gradients by grouped wgrad (fp32 or bf16 as d_w is, empty experts zero).
 // Differences from the reference, within bf16 rounding: the activation reads the rounded a (the
 // GEMM writes bf16), d_h and d_a are rounded where the reference keeps fp32, and sums run in the
@@ -122,7 +123,7 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
 // block reduction; padding rows get d_row_weights 0 and d_a 0.
 __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
                                     const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
-                                    const float* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
+                                    const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
   __shared__ float red[32];
   for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
     const int g = group_of(offsets, G, r);
@@ -137,7 +138,7 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
         const float a1 = P == 2 ? __bfloat162float(a[r * P * F + F + i]) : 0.0f;
         float v, g0, g1;
         act_grad(f, a0, a1, v, g0, g1);
-        float dact = d_h[r * F + i];
+        float dact = __bfloat162float(d_h[r * F + i]);
         if (row_weights) {
           dw = fmaf(dact, v, dw);
           dact *= w;
@@ -159,18 +160,6 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
       }
       __syncthreads();
     }
-  }
-}
-
-// out (bf16) = round(in (fp32)) on real rows, zero on padding rows.
-__global__ void finish_rows_kernel(int64_t H, int64_t total_rows, const int32_t* offsets, const int32_t* rows, int G,
-                                   const float* in, __nv_bfloat16* out) {
-  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
-    const int g = group_of(offsets, G, r);
-    if (g < 0) return;
-    const bool real = r < offsets[g] + rows[g];
-    for (int64_t i = threadIdx.x; i < H; i += blockDim.x)
-      out[r * H + i] = __float2bfloat16_rn(real ? in[r * H + i] : 0.0f);
   }
 }
 
@@ -214,21 +203,22 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
                            rows, G, stream);
 }
 
-// fp32 scratch per device, grown on demand (the first call of a size allocates; later calls and
+// bf16 scratch per device, grown on demand (the first call of a size allocates; later calls and
 // graph captures after a warm-up do not).
-float* scratch(int slot, size_t elems) {
+__nv_bfloat16* scratch(int slot, size_t elems) {
   static std::mutex mu;
   static std::map<std::pair<int, int>, std::pair<void*, size_t>> cache;
   int dev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lk(mu);
   auto& e = cache[{dev, slot}];
-  if (e.second < elems * sizeof(float)) {
+  const size_t bytes = std::max<size_t>(elems, 1) * sizeof(__nv_bfloat16);
+  if (e.second < bytes) {
     if (e.first) EPX_CUDA_CHECK(cudaFree(e.first));
-    EPX_CUDA_CHECK(cudaMalloc(&e.first, std::max<size_t>(elems, 1) * sizeof(float)));
-    e.second = std::max<size_t>(elems, 1) * sizeof(float);
+    EPX_CUDA_CHECK(cudaMalloc(&e.first, bytes));
+    e.second = bytes;
   }
-  return static_cast<float*>(e.first);
+  return static_cast<__nv_bfloat16*>(e.first);
 }
 
 int row_grid(int64_t rows) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * 16))); }
@@ -246,17 +236,15 @@ void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F)
 
 void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
   const char* fn = "epx::expert_mlp_forward";
-  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3);
+  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3);
   const int G = static_cast<int>(t.rows.size(0));
   require_bf16_path(fn, t.x, H, F);
   require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
                  "expert biases and the FP8 precisions run on the CPU reference only for now");
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  for (int64_t p = 0; p < P; ++p)
-    grouped_forward_bf16({t.x.data(), H, 0},
-                         {static_cast<const __nv_bfloat16*>(t.w_in.data()) + p * H * F, F, P * H * F},
-                         static_cast<__nv_bfloat16*>(t.a.data()) + p * F, P * F, H, F, off, rows, G, R, stream);
+  grouped_forward_bf16({t.x.data(), H, 0}, {t.w_in.data(), P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows,
+                       G, R, stream);
   act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
       c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
@@ -267,7 +255,7 @@ void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream str
 
 void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, Stream stream) {
   const char* fn = "epx::expert_mlp_backward";
-  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(1), F = t.w_in.size(3);
+  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
   const int G = static_cast<int>(t.rows.size(0));
   require_bf16_path(fn, t.x, H, F);
   require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
@@ -279,26 +267,22 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   cudaStream_t s = to_cuda(stream);
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  float* d_h = scratch(0, static_cast<size_t>(R) * F);
-  float* d_x = scratch(1, static_cast<size_t>(R) * H);
-  __nv_bfloat16* d_a = reinterpret_cast<__nv_bfloat16*>(scratch(2, (static_cast<size_t>(R) * P * F + 1) / 2));
-  grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, false, off, rows, G, R, stream);
+  __nv_bfloat16* d_h = scratch(0, static_cast<size_t>(R) * F);
+  __nv_bfloat16* d_a = scratch(1, static_cast<size_t>(R) * PF);
+  grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, R, off, rows, G,
       c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<const __nv_bfloat16*>(t.a.data()), d_h,
       d_a, c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr);
   EPX_CHECK_LAUNCH("act_backward_kernel");
-  for (int64_t p = 0; p < P; ++p)
-    grouped_dgrad_bf16({d_a + p * F, P * F, 0},
-                       {static_cast<const __nv_bfloat16*>(t.w_in.data()) + p * H * F, F, P * H * F}, d_x, H, F, H,
-                       p > 0, off, rows, G, R, stream);
-  finish_rows_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, d_x, static_cast<__nv_bfloat16*>(d.d_x.data()));
-  EPX_CHECK_LAUNCH("finish_rows_kernel");
+  // d_x [rows, H] = d_a [rows, P*F] . w_in_g^T, w_in_g [H, P*F] row-major.
+  grouped_dgrad_bf16({d_a, PF, 0}, {t.w_in.data(), PF, H * PF}, d.d_x.data(), H, PF, H, off, rows, G, R, stream);
+  zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
+  EPX_CHECK_LAUNCH("zero_padding_kernel");
   zero_empty_groups(d.d_w_out, F * H, rows, G, s);
-  zero_empty_groups(d.d_w_in, P * H * F, rows, G, s);
+  zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
   wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
-  for (int64_t p = 0; p < P; ++p)
-    wgrad({t.x.data(), H, 0}, {d_a + p * F, P * F, 0}, d.d_w_in, p * H * F, P * H * F, H, F, off, rows, G, stream);
+  wgrad({t.x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, stream);
 }
 
 void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
@@ -318,13 +302,12 @@ void grouped_dgrad_cuda(const TensorRef& dy, const TensorRef& w, const TensorRef
   const int64_t R = dy.size(0), N = dy.size(1), K = dx.size(1);
   const int G = static_cast<int>(rows.size(0));
   require_bf16_path("epx::grouped_gemm_dgrad", dy, K, N);
-  float* acc = scratch(3, static_cast<size_t>(R) * K);
   // dx = dy . w^T with w_g [K, N] row-major: as the dgrad kernel's b_g [Nout = K, Kc = N].
-  grouped_dgrad_bf16({dy.data(), N, 0}, {w.data(), N, K * N}, acc, K, N, K, false, offsets.ptr<int32_t>(),
+  grouped_dgrad_bf16({dy.data(), N, 0}, {w.data(), N, K * N}, dx.data(), K, N, K, offsets.ptr<int32_t>(),
                      rows.ptr<int32_t>(), G, R, stream);
-  finish_rows_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(K, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G, acc,
-                                                               static_cast<__nv_bfloat16*>(dx.data()));
-  EPX_CHECK_LAUNCH("finish_rows_kernel");
+  zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(K, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
+                                                                static_cast<__nv_bfloat16*>(dx.data()));
+  EPX_CHECK_LAUNCH("zero_padding_kernel");
 }
 
 void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,

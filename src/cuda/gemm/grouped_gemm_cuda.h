@@ -5,7 +5,7 @@
 //
 // Shapes (row-major; ld = elements between rows):
 //   forward  out_g [rows_g, N] (ld_out)  = a_g [rows_g, K] (ld_a) . b_g [K, N]        bf16 -> bf16
-//   dgrad    out_g [rows_g, N] (ld_out) (+)= a_g [rows_g, K] (ld_a) . b_g [N, K]^T     bf16 -> fp32
+//   dgrad    out_g [rows_g, N] (ld_out)  = a_g [rows_g, K] (ld_a) . b_g [N, K]^T       bf16 -> bf16
 //   wgrad    out_g [K, N]                = a_g [rows_g, K]^T (ld_a) . d_g [rows_g, N] (ld_d)  bf16 -> fp32 or bf16
 // where a_g starts at row offsets[g], b_g / out_g (wgrad) at g * group_stride elements.
 #pragma once
@@ -27,9 +27,8 @@ struct GroupedOperand {
 
 void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
-void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, float* out, int64_t ld_out, int64_t K, int64_t N,
-                        bool accumulate, const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
-                        Stream stream);
+void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+                        const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
 void grouped_wgrad_bf16(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 /// The same with bf16 out (fp32 accumulation, rounded once).

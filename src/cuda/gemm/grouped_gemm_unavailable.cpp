@@ -18,7 +18,7 @@ void grouped_forward_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_
                           const int32_t*, int, int64_t, Stream) {
   unavailable();
 }
-void grouped_dgrad_bf16(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t, bool, const int32_t*,
+void grouped_dgrad_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
                         const int32_t*, int, int64_t, Stream) {
   unavailable();
 }
