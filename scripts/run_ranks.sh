@@ -21,5 +21,5 @@ rc=0
 for p in "${pids[@]}"; do
   wait "$p" || { s=$?; [ $s -gt $rc ] && rc=$s; }
 done
-rm -f "$id_file"
+rm -f "$id_file" "$id_file".*
 exit $rc
