@@ -259,16 +259,14 @@ Choice choose(Transport requested, const RankResources& r) {
   return c;
 }
 
-// Every rank's choice, agreed collectively before anything transport-specific is set up: a rank
-// that cannot serve the request, or ranks that chose differently (EPX_TRANSPORT set differently),
-// make every rank throw instead of some of them hanging in a collective the others never join.
-void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices, const char* fn) {
+// The per-rank votes of agree_on_transport, {ranks that failed, chose zero-copy, chose staged},
+// summed over every rank of the group with one small ncclAllReduce.
+std::vector<int32_t> allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices) {
   const size_t n = ranks.size();
   std::vector<Tensor> votes(n);
   std::vector<cudaStream_t> streams(n, nullptr);
   for (size_t i = 0; i < n; ++i) {
     DeviceGuard g(ranks[i]->device);
-    // {ranks that failed, chose zero-copy, chose staged}
     int32_t v[3] = {choices[i].error.empty() ? 0 : 1, 0, 0};
     if (choices[i].error.empty()) v[choices[i].transport == Transport::kZeroCopy ? 1 : 2] = 1;
     votes[i] = Tensor::empty({3}, DType::kI32, Device::cuda(ranks[i]->device));
@@ -287,9 +285,21 @@ void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Ch
     EPX_CUDA_CHECK(cudaMemcpy(total.data(), votes[i].data(), sizeof(int32_t) * 3, cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaStreamDestroy(streams[i]));
   }
-  for (size_t i = 0; i < n; ++i)
-    if (!choices[i].error.empty()) throw Error(Status::kNotSupported, detail::concat(fn, ": ", choices[i].error));
+  return total;
+}
+
+// Every rank's choice, agreed before anything transport-specific is set up: a rank that cannot
+// serve the request, or ranks that chose differently (EPX_TRANSPORT set differently), make every
+// rank throw instead of some of them hanging in a collective the others never join. When this
+// process drives the whole group the choices are compared here; otherwise the votes are summed
+// over the group (one small collective, at creation only).
+void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices, const char* fn) {
   const int R = ranks[0]->size;
+  std::vector<int32_t> total(3, 0);
+  for (const Choice& c : choices) ++total[!c.error.empty() ? 0 : c.transport == Transport::kZeroCopy ? 1 : 2];
+  if (static_cast<int>(ranks.size()) < R) total = allreduce_votes(ranks, choices);
+  for (const Choice& c : choices)
+    if (!c.error.empty()) throw Error(Status::kNotSupported, detail::concat(fn, ": ", c.error));
   require_status(total[0] == 0, Status::kNotSupported, fn, total[0], " of the group's ", R,
                  " ranks cannot use the transport they were asked for (see their errors)");
   require(total[1] == 0 || total[2] == 0, fn, "the ranks disagree on the transport: ", total[1],
@@ -472,8 +482,10 @@ class NcclGroup final : public GroupState {
     if (!last_exchange_) return;
     cudaStream_t s = cuda::to_cuda(stream);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    EPX_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-    if (capturing != cudaStreamCaptureStatusNone) return;
+    if (cudaStreamIsCapturing(s, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();  // e.g. the legacy stream while another thread captures: no marker this time
+      return;
+    }
     EPX_CUDA_CHECK(cudaEventRecord(last_exchange_, s));
     last_op_ = op_code;
   }

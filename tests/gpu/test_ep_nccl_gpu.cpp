@@ -8,9 +8,11 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/host_barrier.h"
@@ -289,7 +291,8 @@ TEST(EpNcclGpuTransports, ZeroCopyMissingRankTimesOutWithItsName) {
 
 // Staged: NCCL's send/receive has no timeout of its own, so check() waits for the last exchange
 // with the group's timeout and reports a late peer instead of blocking; the exchange stays queued
-// and completes when the peer arrives, after which the group works as before.
+// and completes when the peer arrives, after which the group works as before. (The late rank waits
+// at most 20 s for the others to see the timeout, so a regression fails instead of hanging.)
 TEST(EpNcclGpuTransports, StagedLateRankIsReportedByCheckThenCompletes) {
   EPX_REQUIRE_GPUS(2);
   EpCase c;
@@ -300,6 +303,7 @@ TEST(EpNcclGpuTransports, StagedLateRankIsReportedByCheckThenCompletes) {
   cfg.transport = Transport::kStaged;
   auto groups = Group::create_all_local(cfg);
   std::vector<std::string> msgs(c.ranks);
+  std::atomic<int> early_done{0};
   detail::HostBarrier bar(c.ranks);
   run_ranks(groups, [&](Group& g) {
     const testing::EpInputs in = testing::ep_inputs(c, g.rank(), g.recv_capacity_rows());
@@ -311,12 +315,18 @@ TEST(EpNcclGpuTransports, StagedLateRankIsReportedByCheckThenCompletes) {
       h = prepare(g, idx, {});
       try {
         g.check();
+        msgs[g.rank()] = "(check() returned without an error)";
       } catch (const Error& e) {
         msgs[g.rank()] = e.what();
       }
+      ++early_done;
+    } else {
+      const auto start = std::chrono::steady_clock::now();
+      while (early_done.load() < c.ranks - 1 &&
+             std::chrono::steady_clock::now() - start < std::chrono::seconds(20))
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      h = prepare(g, idx, {});  // the late rank joins
     }
-    bar.wait();  // the early ranks have seen the timeout; now the late one joins
-    if (late) h = prepare(g, idx, {});
     EXPECT_NO_THROW(g.check()) << "rank " << g.rank() << ": the exchange completes once every rank joined";
     bar.wait();
   });
