@@ -5,10 +5,16 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 
 #include "common/ep_scenario.h"
 #include "gpu/gpu_test_util.h"
+
+namespace epx {
+/// gtest prints a parameter of type Transport by its name ("zero-copy", "staged").
+inline void PrintTo(const Transport& t, std::ostream* os) { *os << transport_name(t); }
+}  // namespace epx
 
 namespace epx::testing {
 
