@@ -18,7 +18,7 @@
 #include "core/host_barrier.h"
 #include "core/window_layout.h"
 #include "gpu/ep_compare.h"
-#include "gpu/ep_procedures.h"
+#include "common/ep_procedures.h"
 
 namespace epx {
 namespace {

@@ -1,6 +1,8 @@
-// Multi-rank GPU test procedures shared by the one-process (tests/gpu, create_all_local) and the
-// one-process-per-GPU (tests/multigpu, create_from_env) suites: every rank of the group runs the
-// same procedure on its own view, in the same order of collective calls.
+// Multi-rank test procedures shared by the one-process (tests/gpu, create_all_local) and the
+// one-process-per-GPU (tests/multigpu, create_from_env) GPU suites, and run on the host backend by
+// tests/cpu/test_ep_procedures.cpp (so the procedures themselves are exercised where no GPU is):
+// every rank of the group runs the same procedure on its own view, in the same order of
+// collective calls. The CUDA graph procedure exists only in builds with the CUDA backend.
 //
 // `sync` is a host barrier between the ranks of one process (a no-op with one rank per process): no
 // rank allocates or frees device memory, or instantiates a graph, while a peer's collective may
@@ -8,8 +10,10 @@
 // call, so a mismatch on one rank cannot leave the others waiting.
 #pragma once
 
-#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#if defined(EPX_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 #include <functional>
 #include <string>
@@ -20,6 +24,7 @@
 
 namespace epx::testing {
 
+#if defined(EPX_HAVE_CUDA)
 inline void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(Status::kCudaError, detail::concat(what, ": ", cudaGetErrorString(e)));
 }
@@ -69,6 +74,7 @@ inline void check_graph_replay(Group& g, const EpCase& c, const EpOutputs& want,
   cudaStreamDestroy(s);
   sync();
 }
+#endif  // EPX_HAVE_CUDA
 
 /// Three microbatches of different routings in flight on one group, like a pipeline schedule:
 /// forwards interleaved (prepare 0, prepare 1, dispatch 1, dispatch 0, prepare 2, combine 0,
