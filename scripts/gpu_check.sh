@@ -41,7 +41,9 @@ if has build; then
 fi
 
 if has tests; then
-  "$BUILD/tests/epx_tests_gpu" --gtest_filter="${EPX_TEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+  # Bounded, so that a hang (a collective some rank never joins) ends the step instead of the whole check.
+  timeout --kill-after=30 "${GPU_TESTS_TIMEOUT:-1200}" \
+    "$BUILD/tests/epx_tests_gpu" --gtest_filter="${EPX_TEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (FAILED|PASSED|SKIPPED) " "$OUT/gpu_tests.log" | sort | uniq -c | tail -20
   grep -E "Failure|error" -A6 "$OUT/gpu_tests.log" | head -80

@@ -136,6 +136,7 @@ struct RankResources {
   void* send_buf = nullptr;
   void* recv_buf = nullptr;
   std::unique_ptr<StagedLink> staged;
+  bool stuck = false;  // staged: check() timed out on an exchange that has not completed since
   Tensor peer_window, peer_inbox, mailboxes, control;  // device arrays [R] ptr, [R] ptr, [3R] ptr, epoch + status
 
   size_t registered_bytes() const { return transport == Transport::kZeroCopy ? window_bytes : 2 * staging_bytes; }
@@ -208,6 +209,17 @@ void teardown(std::vector<RankResources>& ranks) {
   ncclGroupEnd();
   for (auto& r : ranks) {
     cudaSetDevice(r.device);
+    if (r.stuck) {
+      // A staged exchange a peer never joined is still pending: waiting for it would never end.
+      // Aborting our own communicator ends NCCL's pending kernels; a borrowed one is not ours to
+      // abort, so its buffers are left allocated rather than freed under a running kernel.
+      if (r.owns_comm && r.comm) {
+        ncclCommAbort(r.comm);
+        r.comm = nullptr;
+      } else {
+        r.send_buf = r.recv_buf = nullptr;
+      }
+    }
     r.staged.reset();
     r.peer_window = Tensor();
     r.peer_inbox = Tensor();
@@ -498,16 +510,20 @@ class NcclGroup final : public GroupState {
       const cudaError_t e = cudaEventQuery(last_exchange_);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) EPX_CUDA_CHECK(e);
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout)
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
+        res().stuck = true;
         throw Error(Status::kTimeout,
                     detail::concat("epx::", op_name(last_op_), ": rank ", rank, " waited ", timeout,
                                    " s for the staged exchange (ncclSend/ncclRecv) to complete; a peer has not made "
                                    "the same call (do all ranks make the same collective calls in the same order?). "
                                    "NCCL does not say which peer is missing; the exchange stays queued and completes "
-                                   "if the peer arrives, otherwise abort the job."));
+                                   "if the peer arrives; destroying the group before that aborts the communicator "
+                                   "it created (a borrowed one is left alone)."));
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     last_op_ = 0;
+    res().stuck = false;
   }
 
   std::shared_ptr<World> world_;
