@@ -1,15 +1,19 @@
-// EP dispatch / combine across the local GPUs (one process, one thread per rank) on the zero-copy
-// NCCL group. Per rank and per op: median time, remote bytes / time and its fraction of the
-// copy-engine peer bandwidth measured in the same run, DeepEP's "NVL GB/s" (all received rows,
-// local included, x H x 2 bytes / time), SMs used for the link, bytes registered.
+// EP dispatch / combine across the local GPUs (one process, one thread per rank) on the NCCL group,
+// for each transport asked for (zero-copy, staged). Per rank and per op: median time, remote bytes /
+// time and its fraction of the copy-engine peer bandwidth measured in the same run, DeepEP's
+// "NVL GB/s" (all received rows, local included, x H x 2 bytes / time), SMs used for the link,
+// bytes registered, and the bytes a dispatch puts on the wire (the staged transport sends the fixed
+// worst case: max_tokens_per_rank rows to every peer, see nccl_group.cpp).
 //
-// usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N]   (default: sweep)
+// usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N]
+//                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -44,8 +48,9 @@ double peer_copy_gb_per_s() {
   return bytes / (us * 1e-6) * 1e-9;
 }
 
-void run(int T, int H, int E, int K, int sms, double link) {
+void run(int T, int H, int E, int K, int sms, double link, Transport transport) {
   GroupConfig cfg;
+  cfg.transport = transport;
   cfg.num_experts = E;
   cfg.hidden = H;
   cfg.max_tokens_per_rank = T;
@@ -88,6 +93,11 @@ void run(int T, int H, int E, int K, int sms, double link) {
       all_recv += got.ptr<int32_t>()[d];
     }
     const double t_disp = t_pd - t_prep, row = 2.0 * H;
+    // Bytes this rank's dispatch sends to other ranks: the rows it needs, or on the staged
+    // transport the fixed worst case (a whole region per peer, rows and metadata).
+    const double wire = g.transport() == Transport::kStaged
+                            ? (R - 1) * (static_cast<double>(T) * ((2 * H + 15) / 16 * 16) + T * K * 16.0)
+                            : remote_rows * row;
     lines[g.rank()]
         .add("impl", "epx")
         .add("op", "dispatch+combine")
@@ -108,6 +118,8 @@ void run(int T, int H, int E, int K, int sms, double link) {
         .add("dispatch_nvl_gb_per_s", all_recv * row / t_disp * 1e-3)
         .add("combine_remote_gb_per_s", remote_rows * row / t_comb * 1e-3)
         .add("combine_link_fraction", remote_rows * row / t_comb * 1e-3 / link)
+        .add("dispatch_wire_bytes", wire)
+        .add("dispatch_wire_gb_per_s", wire / t_disp * 1e-3)
         .add("registered_bytes", static_cast<long long>(g.registered_bytes()))
         .add("recv_capacity_rows", static_cast<long long>(cap));
   });
@@ -118,12 +130,23 @@ void run(int T, int H, int E, int K, int sms, double link) {
 
 int main(int argc, char** argv) {
   int T = 0, H = 0, E = 0, K = 0, sms = 32;
+  std::vector<Transport> transports = {Transport::kZeroCopy, Transport::kStaged};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--tokens")) T = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--hidden")) H = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--experts")) E = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--topk")) K = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--sms")) sms = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--transport")) {
+      const std::string v = argv[i + 1];
+      if (v == "both") transports = {Transport::kZeroCopy, Transport::kStaged};
+      else if (v == "zerocopy" || v == "zero-copy") transports = {Transport::kZeroCopy};
+      else if (v == "staged") transports = {Transport::kStaged};
+      else {
+        std::fprintf(stderr, "bench_ep: --transport is \"%s\", expected zerocopy, staged or both\n", v.c_str());
+        return 2;
+      }
+    }
   }
   if (detail::cuda_device_count() < 2) {
     std::fprintf(stderr, "bench_ep: needs 2 GPUs, %d visible: skipped\n", detail::cuda_device_count());
@@ -132,11 +155,13 @@ int main(int argc, char** argv) {
   try {
     const double link = peer_copy_gb_per_s();
     JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
-    if (T) {
-      run(T, H ? H : 7168, E ? E : 256, K ? K : 8, sms, link);
-    } else {
-      for (int h : {7168, 4096})
-        for (int t : {128, 512, 2048, 4096, 8192}) run(t, h, h == 7168 ? 256 : 64, 8, sms, link);
+    for (Transport tr : transports) {
+      if (T) {
+        run(T, H ? H : 7168, E ? E : 256, K ? K : 8, sms, link, tr);
+      } else {
+        for (int h : {7168, 4096})
+          for (int t : {128, 512, 2048, 4096, 8192}) run(t, h, h == 7168 ? 256 : 64, 8, sms, link, tr);
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_ep: %s\n", e.what());

@@ -7,7 +7,12 @@
 # usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
-# EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax).
+# EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax; memcheck leaves out
+# the long multi-GPU scenario sweep and the timing-based late-rank test unless MEMCHECK_FILTER says).
+# mptests runs the one-process-per-GPU suite three times: both transports (multigpu.log), then
+# EPX_TRANSPORT=staged (multigpu_staged.log), then staged with NCCL's P2P and shared-memory
+# transports disabled, so the exchange goes through NCCL's socket transport over loopback
+# (multigpu_staged_net.log).
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +42,9 @@ if has build; then
 fi
 
 if has tests; then
-  "$BUILD/tests/epx_tests_gpu" --gtest_filter="${EPX_TEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+  # Bounded, so that a hang (a collective some rank never joins) ends the step instead of the whole check.
+  timeout --kill-after=30 "${GPU_TESTS_TIMEOUT:-1200}" \
+    "$BUILD/tests/epx_tests_gpu" --gtest_filter="${EPX_TEST_FILTER:-*}" --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (FAILED|PASSED|SKIPPED) " "$OUT/gpu_tests.log" | sort | uniq -c | tail -20
   grep -E "Failure|error" -A6 "$OUT/gpu_tests.log" | head -80
@@ -47,7 +54,7 @@ fi
 if has memcheck; then
   if command -v compute-sanitizer >/dev/null 2>&1; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-      "$BUILD/tests/epx_tests_gpu" --gtest_filter="${MEMCHECK_FILTER:-*}" >"$OUT/memcheck.log" 2>&1
+      "$BUILD/tests/epx_tests_gpu" --gtest_filter="${MEMCHECK_FILTER:-*-*StandardScenarios*:*LateRank*}" >"$OUT/memcheck.log" 2>&1
     rc=$?
     summary "memcheck: rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
   else
@@ -68,15 +75,24 @@ if has bench; then
 fi
 
 if has mptests; then
-  scripts/run_ranks.sh 2 "$BUILD/tests/epx_tests_multigpu" >"$OUT/multigpu.log" 2>&1
-  rc=$?
-  grep -E "Failure|error" -A6 "$OUT/multigpu.log" | head -40
-  summary "multi-process tests (2 ranks): rc=$rc $(grep -E '\[  (PASSED|FAILED) ' "$OUT/multigpu.log" | sort | uniq -c | tr '\n' ' ')"
+  # run_mp LABEL LOG [VAR=VALUE...]: the multi-process suite on 2 ranks with extra environment.
+  run_mp() {
+    local label=$1 log=$2
+    shift 2
+    env "$@" timeout --kill-after=15 420 scripts/run_ranks.sh 2 "$BUILD/tests/epx_tests_multigpu" >"$OUT/$log" 2>&1
+    local rc=$?
+    grep -E "Failure|error" -A6 "$OUT/$log" | head -40
+    summary "multi-process tests (2 ranks, $label): rc=$rc $(grep -E '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$log" | sed 's/^\[rank [0-9]*\] //' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
+  }
+  run_mp "zero-copy and staged" multigpu.log
+  run_mp "EPX_TRANSPORT=staged" multigpu_staged.log EPX_TRANSPORT=staged
+  run_mp "EPX_TRANSPORT=staged over NCCL sockets on loopback" multigpu_staged_net.log \
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo EPX_TRANSPORT=staged
 fi
 
 if has epbench; then
   [ -f "$OUT/bench.jsonl" ] || : >"$OUT/bench.jsonl"
-  timeout 300 "$BUILD/bin/bench_ep" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
+  timeout 480 "$BUILD/bin/bench_ep" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
     for shape in "--tokens 4096 --hidden 7168 --experts 256" "--tokens 128 --hidden 7168 --experts 256" \
                  "--tokens 4096 --hidden 4096 --experts 64"; do

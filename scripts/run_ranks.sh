@@ -13,6 +13,8 @@ fi
 id_file=$(mktemp -u /tmp/epx_nccl_id.XXXXXX)
 export WORLD_SIZE=$n EPX_NCCL_ID_FILE=$id_file NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 pids=()
+# A launcher that is stopped (timeout, Ctrl-C) stops its ranks too.
+trap 'kill "${pids[@]}" 2>/dev/null; rm -f "$id_file" "$id_file".*; exit 143' TERM INT
 for ((r = 0; r < n; r++)); do
   RANK=$r LOCAL_RANK=$r "$@" > >(sed "s/^/[rank $r] /") 2>&1 &
   pids+=($!)

@@ -32,10 +32,21 @@ namespace epx {
 class Handle;
 struct GroupState;
 
+/// How the ranks of an NCCL group exchange rows. Both GPU transports run the same kernels in the
+/// same order, so their results are bit-identical (and equal the reference where it promises).
+/// Chosen once at creation: GroupConfig::transport when it names one, else EPX_TRANSPORT (auto,
+/// zerocopy, staged; any other value is an error), else auto. Every rank must end up with the same
+/// transport; creation checks that and fails on every rank otherwise.
 enum class Transport : uint8_t {
-  kAuto,      // zero-copy where peers are reachable by load/store, staged otherwise
-  kZeroCopy,  // NCCL device API: LSA pointers into peers' symmetric windows
-  kStaged,    // ncclSend/ncclRecv of compacted rows (other nodes; EPX_TRANSPORT=staged)
+  kAuto,      // zero-copy when every rank is in one NCCL LSA team (one NVLink domain), staged otherwise
+  kZeroCopy,  // NCCL device API: stores into peers' symmetric windows through LSA pointers, device
+              // barriers with timeouts; intranode (LSA team) only
+  kStaged,    // ncclSend/ncclRecv inside ncclGroupStart/End between two buffers per rank (send, receive;
+              // rank-major, allocated at creation): works wherever NCCL does (other nodes, PCIe,
+              // network). No host sync: counts stay on the device, so every exchange moves the fixed
+              // worst case, max_tokens_per_rank rows (each only as wide as the op's rows) plus their
+              // metadata to every peer. Size max_tokens_per_rank tightly for this transport. A peer
+              // that never joins is reported by check() after the timeout (NCCL cannot name it).
   kHost,      // the CPU reference: ranks are threads, windows are shared host buffers
   kLocal,     // one GPU, no communication: dispatch and combine are local permutes
 };
@@ -51,7 +62,7 @@ struct GroupConfig {
   int64_t recv_capacity_rows = 0;  // 0 = worst case (R * max_tokens * min(K, E/R) + padding)
   int num_sms = 0;                 // SMs for communication kernels; 0 = auto
   double timeout_s = 0;            // device/host waits; 0 = EPX_TIMEOUT_S or 10 s
-  Transport transport = Transport::kAuto;
+  Transport transport = Transport::kAuto;  // for NCCL groups; see Transport
 
   void validate(const char* fn, int num_ranks) const;
 };
@@ -81,9 +92,9 @@ class Group {
   /// ranks. The communicator must outlive the group.
   static Group from_nccl(void* nccl_comm, const GroupConfig& config);
   /// One process per GPU: RANK / WORLD_SIZE / LOCAL_RANK (or OMPI_COMM_WORLD_*, SLURM_*) and the
-  /// NCCL id from EPX_NCCL_ID (hex) or EPX_NCCL_ID_FILE (rank 0 writes it, the others read it;
-  /// the n-th group a process creates uses "<file>.<n>" after the first, so every rank must create
-  /// its groups in the same order).
+  /// NCCL id from EPX_NCCL_ID (hex) or EPX_NCCL_ID_FILE (rank 0 writes it, the others read it).
+  /// Several groups per process: every rank creates them in the same order, and the k-th (k >= 1)
+  /// takes its id from "<EPX_NCCL_ID_FILE>.<k>" (EPX_NCCL_ID serves one group only).
   static Group create_from_env(const GroupConfig& config);
 
   int rank() const;
@@ -95,10 +106,12 @@ class Group {
   Transport transport() const;
   /// Rows of every expert-major buffer (recv_x, y, ...): the configured or worst-case capacity.
   int64_t recv_capacity_rows() const;
-  /// Bytes of communication buffers this rank registered (windows, staging, metadata).
+  /// Bytes of communication buffers this rank holds for the group (zero-copy: its window; staged:
+  /// its send and receive buffers), allocated once at creation.
   size_t registered_bytes() const;
   /// Synchronises with the device and raises the first error recorded since the last check by
-  /// any live handle of this group (a bad expert id, a recv-capacity overflow, a peer timeout).
+  /// any live handle of this group (a bad expert id, a recv-capacity overflow, a peer timeout; on
+  /// the staged transport also an exchange still incomplete after the timeout, or an NCCL error).
   /// Ops never synchronise by themselves, so call it at a host-visible point (e.g. once a step).
   void check();
 

@@ -1,11 +1,14 @@
-// Zero-copy EP kernels: ranks write straight into each other's symmetric windows (LSA pointers
-// resolved once at group creation) and meet at barriers with timeouts (signal.cuh).
+// EP kernels of both NCCL transports (see ep_kernels.h): writers put rows into per-peer mailboxes,
+// a Link delivers them, readers work on their own receive area.
 //
-// Every op is  barrier (peers finished reading what they got last time) -> writers put rows into
-// peers' windows -> barrier (the rows are visible) -> readers work on their own window,  and each
-// phase is its own kernel, so a kernel boundary orders the phases of all blocks. The window layout
-// and the arithmetic are exactly the host reference's (src/ref/host_group.cpp): same regions, same
-// slots, same fp32 orders, so the GPU results equal the reference bit for bit where it promises.
+// Zero-copy: the mailboxes are the peers' symmetric windows (LSA pointers resolved once at group
+// creation) and the Link is a device barrier with timeout (signal.cuh), so every op is  barrier
+// (peers finished reading what they got last time) -> writers -> barrier (the rows are visible) ->
+// readers. Staged: the mailboxes are a local send buffer and the Link is ncclSend/ncclRecv.
+// Each phase is its own kernel, so a kernel boundary orders the phases of all blocks. The window
+// layout and the arithmetic are exactly the host reference's (src/ref/host_group.cpp): same
+// regions, same slots, same fp32 orders, so the GPU results equal the reference bit for bit where
+// it promises, on either transport.
 //
 // Work decomposition: one warp per item (a token on the sending side, a received (source, token)
 // row on the receiving side), 16-byte vectors when rows and pointers allow, several loads in flight.
@@ -41,6 +44,44 @@ void barrier(const DeviceGroup& g, int op, cudaStream_t stream) {
   barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op);
   EPX_CHECK_LAUNCH("barrier_kernel");
 }
+
+// ---- mailboxes and the receive area ----------------------------------------------------------
+
+// Slot `slot` of the rows this rank writes for peer p.
+__device__ __forceinline__ char* out_row(const DeviceGroup& g, int p, int64_t slot, int64_t stride) {
+  return g.out[p] + slot * stride;
+}
+// The max_topk metadata entries of slot `slot` this rank writes for peer p.
+__device__ __forceinline__ RowMeta* out_meta(const DeviceGroup& g, int p, int64_t slot) {
+  return reinterpret_cast<RowMeta*>(g.out[g.R + p]) + slot * g.max_topk;
+}
+__device__ __forceinline__ int32_t* out_header(const DeviceGroup& g, int p) {
+  return reinterpret_cast<int32_t*>(g.out[2 * g.R + p]);
+}
+// Slot `slot` of the rows source s sent to this rank.
+__device__ __forceinline__ const char* in_row(const DeviceGroup& g, int s, int64_t slot, int64_t stride) {
+  return g.my_window + g.layout.row_offset(s, 0) + slot * stride;
+}
+__device__ __forceinline__ const RowMeta* in_meta(const DeviceGroup& g, int s, int64_t slot) {
+  return reinterpret_cast<const RowMeta*>(g.my_window + g.layout.meta_offset(s, 0)) + slot * g.max_topk;
+}
+
+__global__ void zero_copy_mailboxes_kernel(WindowLayout L, int rank, int R, char* const* peer_window, char** out) {
+  for (int p = threadIdx.x; p < R; p += blockDim.x) {
+    out[p] = peer_window[p] + L.row_offset(rank, 0);
+    out[R + p] = peer_window[p] + L.meta_offset(rank, 0);
+    out[2 * R + p] = peer_window[p] + L.header_offset(rank);
+  }
+}
+
+class BarrierLink final : public Link {
+ public:
+  bool device_barriers() const override { return true; }
+  int64_t row_stride(const DeviceGroup& g, int64_t) const override { return static_cast<int64_t>(g.layout.row_bytes); }
+  size_t reduce_chunk_bytes(const DeviceGroup&) const override { return WindowLayout::kReduceBytes; }
+  void before_write(const DeviceGroup& g, int op_code, cudaStream_t stream) override { barrier(g, op_code, stream); }
+  void deliver(const DeviceGroup& g, const Delivery& d, cudaStream_t stream) override { barrier(g, d.op_code, stream); }
+};
 
 // ---- row copies ----------------------------------------------------------------------------
 
@@ -100,17 +141,24 @@ struct ExchangeArgs {
   int32_t* handle_status;      // [4]
 };
 
-__global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a) {
+constexpr int kWriteHeaders = 1, kReadHeaders = 2;
+
+// phases: kWriteHeaders (every peer's header: counts per local expert of that peer, token rows, K),
+// kReadHeaders (the receive side from the headers that arrived). With device barriers (zero-copy)
+// both phases run in one launch around the barriers; the staged transport launches them apart,
+// with the NCCL delivery in between.
+__global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phases, bool barriers) {
   const DeviceGroup& g = a.g;
   const int Le = g.Le, R = g.R, hw = Le + 2;
-  const SignalArgs sig = signal_of(g);
-  group_barrier(sig, kOpPrepare);
-  for (int i = threadIdx.x; i < R * hw; i += blockDim.x) {
-    const int d = i / hw, j = i % hw;
-    int32_t* hdr = reinterpret_cast<int32_t*>(g.peer_window[d] + g.layout.header_offset(g.rank));
-    hdr[j] = j < Le ? a.counts[d * Le + j] : (j == Le ? a.send_tokens[d] : a.K);
+  if (phases & kWriteHeaders) {
+    if (barriers) group_barrier(signal_of(g), kOpPrepare);
+    for (int i = threadIdx.x; i < R * hw; i += blockDim.x) {
+      const int d = i / hw, j = i % hw;
+      out_header(g, d)[j] = j < Le ? a.counts[d * Le + j] : (j == Le ? a.send_tokens[d] : a.K);
+    }
   }
-  group_barrier(sig, kOpPrepare);
+  if (!(phases & kReadHeaders)) return;
+  if (barriers) group_barrier(signal_of(g), kOpPrepare);
   for (int i = threadIdx.x; i < R * Le; i += blockDim.x) {
     const int s = i / Le, j = i % Le;
     a.recv_pairs[i] = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s))[j];
@@ -177,6 +225,7 @@ struct SendArgs {
   int64_t scale_bytes;
   const float* weights;       // [T, K] or null
   bool with_meta;             // dispatch writes the routing meta; combine_backward does not
+  int64_t stride;             // bytes per mailbox slot (>= row_bytes + scale_bytes, multiple of 16)
 };
 
 template <class V>
@@ -200,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
       for (int d = 0; d < g.R; ++d) {
         const int32_t sl = slot_s[warp][d];
         if (sl < 0) continue;
-        V* dst = reinterpret_cast<V*>(g.peer_window[d] + g.layout.row_offset(g.rank, sl));
+        V* dst = reinterpret_cast<V*>(out_row(g, d, sl, a.stride));
 #pragma unroll
         for (int u = 0; u < kSendUnroll; ++u)
           if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
@@ -209,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
     for (int d = 0; d < g.R; ++d) {
       const int32_t sl = slot_s[warp][d];
       if (sl < 0) continue;
-      char* row = g.peer_window[d] + g.layout.row_offset(g.rank, sl);
+      char* row = out_row(g, d, sl, a.stride);
       if (a.scale_bytes)
         for (int64_t b = lane; b < a.scale_bytes; b += 32) row[a.row_bytes + b] = a.scales[t * a.scale_bytes + b];
       if (a.with_meta && lane < a.K) {
@@ -219,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
         m.local_expert = here ? e % g.Le : -1;
         m.position = here ? a.pair_pos[t * a.K + lane] : 0;
         m.weight = here && a.weights ? static_cast<double>(a.weights[t * a.K + lane]) : 0.0;
-        reinterpret_cast<RowMeta*>(g.peer_window[d] + g.layout.meta_offset(g.rank, sl))[lane] = m;
+        out_meta(g, d, sl)[lane] = m;
       }
     }
     __syncwarp();
@@ -239,6 +288,7 @@ struct ExpandArgs {
   char* out_scales;               // [rows, scale_bytes] or null
   int64_t scale_bytes;
   float* out_weights;             // [rows] or null
+  int64_t stride;                 // bytes per received slot
 };
 
 template <class V>
@@ -265,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
     item_source(prefix, g.R, it, s, slot);
     int32_t row = -1;
     if (lane < a.K) {
-      const RowMeta m = reinterpret_cast<const RowMeta*>(g.my_window + g.layout.meta_offset(s, slot))[lane];
+      const RowMeta m = in_meta(g, s, slot)[lane];
       if (m.local_expert >= 0) {
         row = a.segment_starts[m.local_expert * g.R + s] + m.position;
         if (a.out_weights) a.out_weights[row] = static_cast<float>(m.weight);
@@ -274,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
     }
     rows_s[warp][lane] = row;
     __syncwarp();
-    const char* src = g.my_window + g.layout.row_offset(s, slot);
+    const char* src = in_row(g, s, slot, a.stride);
     for (int k = 0; k < a.K; ++k) {
       const int32_t r = rows_s[warp][k];
       if (r < 0) continue;
@@ -305,6 +355,7 @@ struct ReduceArgs {
   const int32_t* routed;         // [T, K]
   void* out;                     // [T, H]
   float* d_topk_weights;         // [T, K] or null
+  int64_t stride;                // bytes per mailbox slot
 };
 
 // Expert side: one partial row per received (source, token), into the source's window.
@@ -328,14 +379,13 @@ __global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
       row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
       if (row >= 0 && a.row_weights) w = a.row_weights[row];
       if (row >= 0 && a.row_scalars)
-        reinterpret_cast<RowMeta*>(g.peer_window[s] + g.layout.meta_offset(g.rank, slot))[lane].weight =
-            static_cast<double>(a.row_scalars[row]);
+        out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
     }
     rows_s[warp][lane] = row;
     w_s[warp][lane] = w;
     __syncwarp();
     const P* in = static_cast<const P*>(a.rows_in);
-    P* dst = reinterpret_cast<P*>(g.peer_window[s] + g.layout.row_offset(g.rank, slot));
+    P* dst = reinterpret_cast<P*>(out_row(g, s, slot, a.stride));
     // kReduceUnroll vectors per lane at a time: K x kReduceUnroll independent loads in flight
     // (the loop is load-latency bound otherwise); per element the slots still add in order.
     for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kReduceUnroll) {
@@ -393,8 +443,7 @@ __global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
       float v = 0.0f;
       if (e >= 0) {
         const int d = e / g.Le;
-        v = static_cast<float>(
-            reinterpret_cast<const RowMeta*>(g.my_window + g.layout.meta_offset(d, slot_s[warp][d]))[lane].weight);
+        v = static_cast<float>(in_meta(g, d, slot_s[warp][d])[lane].weight);
       }
       a.d_topk_weights[t * a.K + lane] = v;
     }
@@ -406,7 +455,7 @@ __global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
       for (int d = 0; d < g.R; ++d) {
         const int32_t sl = slot_s[warp][d];
         if (sl < 0) continue;
-        const P p = reinterpret_cast<const P*>(g.my_window + g.layout.row_offset(d, sl))[v];
+        const P p = reinterpret_cast<const P*>(in_row(g, d, sl, a.stride))[v];
 #pragma unroll
         for (int i = 0; i < N; ++i) acc[i] += cuda::to_float(p.v[i]);
       }
@@ -433,6 +482,7 @@ struct SpreadArgs {
   const float* row_weights;    // or null
   void* d_y;
   float* d_row_weights;        // or null
+  int64_t stride;              // bytes per received slot
 };
 
 template <class T, int N, int KMAX>
@@ -470,7 +520,7 @@ __global__ void __launch_bounds__(kThreads) spread_kernel(SpreadArgs a) {
     float dot[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
-    const P* gin = reinterpret_cast<const P*>(g.my_window + g.layout.row_offset(s, slot));
+    const P* gin = reinterpret_cast<const P*>(in_row(g, s, slot, a.stride));
     for (int64_t v = lane; v < nvec; v += 32) {
       const P gp = gin[v];
       float gf[N];
@@ -528,6 +578,19 @@ __global__ void all_reduce_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t 
   }
 }
 
+// Staged: the chunk of every peer sits at the start of its rows region of the receive area; this
+// rank's own chunk is still in the buffer. Same order as above: acc = 0, + rank 0, 1, ...
+template <class F>
+__global__ void sum_chunks_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    F acc = 0;
+    for (int s = 0; s < g.R; ++s)
+      acc += s == g.rank ? buf[begin + i] : reinterpret_cast<const F*>(in_row(g, s, 0, 0))[i];
+    buf[begin + i] = acc;
+  }
+}
+
 // ---- launch helpers ----------------------------------------------------------------------------
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -559,7 +622,18 @@ void check_limits(const DeviceGroup& g, int K, const char* fn) {
 
 size_t signal_bytes(int num_ranks) { return (static_cast<size_t>(num_ranks) * sizeof(uint32_t) + 255) / 256 * 256; }
 
-void exchange_counts(const DeviceGroup& g, HandleState& h, int32_t* segment_starts, Stream stream) {
+Link& barrier_link() {
+  static BarrierLink link;
+  return link;
+}
+
+void build_zero_copy_mailboxes(const WindowLayout& layout, int rank, int num_ranks, char* const* peer_window,
+                               char** out, cudaStream_t stream) {
+  zero_copy_mailboxes_kernel<<<1, 64, 0, stream>>>(layout, rank, num_ranks, peer_window, out);
+  EPX_CHECK_LAUNCH("zero_copy_mailboxes_kernel");
+}
+
+void exchange_counts(const DeviceGroup& g, Link& link, HandleState& h, int32_t* segment_starts, Stream stream) {
   check_limits(g, h.topk, "epx::prepare");
   require_status(g.Le <= 1024 * 64, Status::kNotSupported, "epx::prepare", "too many local experts: ", g.Le);
   ExchangeArgs a{g,
@@ -572,11 +646,24 @@ void exchange_counts(const DeviceGroup& g, HandleState& h, int32_t* segment_star
                  h.expert_offsets.ptr<int32_t>(),
                  segment_starts,
                  h.status.ptr<int32_t>()};
-  exchange_kernel<<<1, 1024, 0, cuda::to_cuda(stream)>>>(a);
-  EPX_CHECK_LAUNCH("exchange_kernel");
+  cudaStream_t s = cuda::to_cuda(stream);
+  if (link.device_barriers()) {  // one launch, the barriers inside
+    exchange_kernel<<<1, 1024, 0, s>>>(a, kWriteHeaders | kReadHeaders, true);
+    EPX_CHECK_LAUNCH("exchange_kernel");
+    return;
+  }
+  link.before_write(g, kOpPrepare, s);
+  exchange_kernel<<<1, 1024, 0, s>>>(a, kWriteHeaders, false);
+  EPX_CHECK_LAUNCH("exchange_kernel (write)");
+  Delivery d;
+  d.op_code = kOpPrepare;
+  d.header = true;
+  link.deliver(g, d, s);
+  exchange_kernel<<<1, 1024, 0, s>>>(a, kReadHeaders, false);
+  EPX_CHECK_LAUNCH("exchange_kernel (read)");
 }
 
-void dispatch_rows(const DeviceGroup& g, HandleState& h, const int32_t* segment_starts, const TensorRef& x,
+void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32_t* segment_starts, const TensorRef& x,
                    const TensorRef& x_scales, const TensorRef& topk_weights, const TensorRef& recv_x,
                    const TensorRef& recv_scales, const TensorRef& recv_weights, Stream stream) {
   check_limits(g, h.topk, "epx::dispatch_forward");
@@ -594,13 +681,18 @@ void dispatch_rows(const DeviceGroup& g, HandleState& h, const int32_t* segment_
   sa.scale_bytes = x_scales.defined() ? x_scales.size(1) * static_cast<int64_t>(dtype_size(x_scales.dtype())) : 0;
   sa.weights = topk_weights.defined() ? topk_weights.ptr<float>() : nullptr;
   sa.with_meta = true;
-  const bool vec = sa.row_bytes % 16 == 0 && aligned16(sa.rows) && g.layout.row_bytes % 16 == 0;
-  barrier(g, kOpDispatch, s);
+  sa.stride = link.row_stride(g, sa.row_bytes + sa.scale_bytes);
+  const bool vec = sa.row_bytes % 16 == 0 && aligned16(sa.rows) && sa.stride % 16 == 0;
+  link.before_write(g, kOpDispatch, s);
   const int send_grid = grid_for(h.num_tokens, g.send_blocks);
   if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
   else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
   EPX_CHECK_LAUNCH("send_rows_kernel");
-  barrier(g, kOpDispatch, s);
+  Delivery d;
+  d.op_code = kOpDispatch;
+  d.row_stride = sa.stride;
+  d.meta = true;
+  link.deliver(g, d, s);
   ExpandArgs ea;
   ea.g = g;
   ea.K = h.topk;
@@ -614,13 +706,14 @@ void dispatch_rows(const DeviceGroup& g, HandleState& h, const int32_t* segment_
   ea.out_scales = recv_scales.defined() ? static_cast<char*>(recv_scales.data()) : nullptr;
   ea.scale_bytes = sa.scale_bytes;
   ea.out_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
+  ea.stride = sa.stride;
   const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
   if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
   else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);
   EPX_CHECK_LAUNCH("expand_rows_kernel");
 }
 
-void reduce_rows(const DeviceGroup& g, const HandleState& h, int op_code, const TensorRef& rows_in,
+void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_code, const TensorRef& rows_in,
                  const TensorRef& row_weights, const TensorRef& d_row_scalars, const TensorRef& out,
                  const TensorRef& d_topk_weights, Stream stream) {
   check_limits(g, h.topk, op_code == kOpCombine ? "epx::combine_forward" : "epx::dispatch_backward");
@@ -639,18 +732,23 @@ void reduce_rows(const DeviceGroup& g, const HandleState& h, int op_code, const 
   a.routed = h.routed_experts.ptr<int32_t>();
   a.out = out.data();
   a.d_topk_weights = d_topk_weights.defined() ? d_topk_weights.ptr<float>() : nullptr;
+  a.stride = link.row_stride(g, a.H * static_cast<int64_t>(dtype_size(rows_in.dtype())));
   with_element(rows_in.dtype(), [&](auto tag) {
     using T = decltype(tag);
     constexpr int N = 16 / sizeof(T);
-    const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && g.layout.row_bytes % 16 == 0;
-    barrier(g, op_code, s);
+    const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && a.stride % 16 == 0;
+    link.before_write(g, op_code, s);
     // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
     // traffic it issues is one row per partial).
     const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, cuda::sm_count() * 4);
     if (vec) reduce_send_kernel<T, N><<<reduce_grid, kThreads, 0, s>>>(a);
     else reduce_send_kernel<T, 1><<<reduce_grid, kThreads, 0, s>>>(a);
     EPX_CHECK_LAUNCH("reduce_send_kernel");
-    barrier(g, op_code, s);
+    Delivery d;
+    d.op_code = op_code;
+    d.row_stride = a.stride;
+    d.meta = a.row_scalars != nullptr || a.d_topk_weights != nullptr;  // row-weight gradients travel back
+    link.deliver(g, d, s);
     const int sum_grid = grid_for(a.T, cuda::sm_count() * 8);
     if (vec) sum_partials_kernel<T, N><<<sum_grid, kThreads, 0, s>>>(a);
     else sum_partials_kernel<T, 1><<<sum_grid, kThreads, 0, s>>>(a);
@@ -658,7 +756,7 @@ void reduce_rows(const DeviceGroup& g, const HandleState& h, int op_code, const 
   });
 }
 
-void spread_rows(const DeviceGroup& g, const HandleState& h, const TensorRef& d_out, const TensorRef& y,
+void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const TensorRef& d_out, const TensorRef& y,
                  const TensorRef& row_weights, const TensorRef& d_y, const TensorRef& d_row_weights, Stream stream) {
   check_limits(g, h.topk, "epx::combine_backward");
   cudaStream_t s = cuda::to_cuda(stream);
@@ -675,6 +773,7 @@ void spread_rows(const DeviceGroup& g, const HandleState& h, const TensorRef& d_
   sa.scale_bytes = 0;
   sa.weights = nullptr;
   sa.with_meta = false;
+  sa.stride = link.row_stride(g, sa.row_bytes);
   SpreadArgs pa;
   pa.g = g;
   pa.K = h.topk;
@@ -687,17 +786,21 @@ void spread_rows(const DeviceGroup& g, const HandleState& h, const TensorRef& d_
   pa.row_weights = row_weights.defined() ? row_weights.ptr<float>() : nullptr;
   pa.d_y = d_y.data();
   pa.d_row_weights = d_row_weights.defined() ? d_row_weights.ptr<float>() : nullptr;
+  pa.stride = sa.stride;
   with_element(d_out.dtype(), [&](auto tag) {
     using T = decltype(tag);
     constexpr int N = 16 / sizeof(T);
     const bool vec = pa.H % N == 0 && aligned16(sa.rows) && aligned16(pa.d_y) && (!pa.y || aligned16(pa.y)) &&
-                     g.layout.row_bytes % 16 == 0;
-    barrier(g, kOpCombineBwd, s);
+                     sa.stride % 16 == 0;
+    link.before_write(g, kOpCombineBwd, s);
     const int send_grid = grid_for(h.num_tokens, g.send_blocks);
     if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
     else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
     EPX_CHECK_LAUNCH("send_rows_kernel");
-    barrier(g, kOpCombineBwd, s);
+    Delivery d;
+    d.op_code = kOpCombineBwd;
+    d.row_stride = sa.stride;
+    link.deliver(g, d, s);
     const int grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
     auto launch = [&](auto kmax) {
       constexpr int KM = decltype(kmax)::value;
@@ -711,16 +814,31 @@ void spread_rows(const DeviceGroup& g, const HandleState& h, const TensorRef& d_
   });
 }
 
-void all_reduce(const DeviceGroup& g, const TensorRef& buffer, Stream stream) {
+void all_reduce(const DeviceGroup& g, Link& link, const TensorRef& buffer, Stream stream) {
   cudaStream_t s = cuda::to_cuda(stream);
   const size_t es = dtype_size(buffer.dtype());
-  const int64_t chunk = static_cast<int64_t>(WindowLayout::kReduceBytes / es);
+  const int64_t chunk = static_cast<int64_t>(link.reduce_chunk_bytes(g) / es);
   const int64_t rounds = std::max<int64_t>(1, (buffer.numel() + chunk - 1) / chunk);
+  const bool f64 = buffer.dtype() == DType::kF64;
   for (int64_t r = 0; r < rounds; ++r) {
     const int64_t begin = r * chunk, n = std::max<int64_t>(0, std::min<int64_t>(chunk, buffer.numel() - begin));
-    if (buffer.dtype() == DType::kF64) all_reduce_kernel<double><<<1, 512, 0, s>>>(g, buffer.ptr<double>(), begin, n);
-    else all_reduce_kernel<float><<<1, 512, 0, s>>>(g, buffer.ptr<float>(), begin, n);
-    EPX_CHECK_LAUNCH("all_reduce_kernel");
+    if (link.device_barriers()) {  // one launch per chunk, the barriers inside
+      if (f64) all_reduce_kernel<double><<<1, 512, 0, s>>>(g, buffer.ptr<double>(), begin, n);
+      else all_reduce_kernel<float><<<1, 512, 0, s>>>(g, buffer.ptr<float>(), begin, n);
+      EPX_CHECK_LAUNCH("all_reduce_kernel");
+      continue;
+    }
+    link.before_write(g, kOpReduce, s);
+    Delivery d;
+    d.op_code = kOpReduce;
+    d.chunk = static_cast<const char*>(buffer.data()) + begin * static_cast<int64_t>(es);
+    d.chunk_bytes = static_cast<size_t>(n) * es;
+    link.deliver(g, d, s);
+    if (n == 0) continue;
+    const int grid = static_cast<int>(std::min<int64_t>((n + 255) / 256, cuda::sm_count() * 4));
+    if (f64) sum_chunks_kernel<double><<<grid, 256, 0, s>>>(g, buffer.ptr<double>(), begin, n);
+    else sum_chunks_kernel<float><<<grid, 256, 0, s>>>(g, buffer.ptr<float>(), begin, n);
+    EPX_CHECK_LAUNCH("sum_chunks_kernel");
   }
 }
 

@@ -1,10 +1,21 @@
 // The EP group over NCCL: bootstrap (borrowed communicator, one process driving every local GPU,
-// or one process per GPU from launcher variables), one symmetric window per rank registered with
-// ncclCommWindowRegister and reached by LSA pointers, the device-side signals, and the backend
-// methods that launch the zero-copy kernels (ep_kernels.cu). Counts never leave the device.
+// or one process per GPU from launcher variables), the two transports, and the backend methods
+// that launch the EP kernels (ep_kernels.cu). Counts never leave the device.
 //
-// Window per rank: the WindowLayout regions (header, meta, rows, reduce; rank-major, sized from
-// max_tokens_per_rank x R rows, never an expert-major worst case) followed by R inbox words.
+// zero-copy  one symmetric window per rank registered with ncclCommWindowRegister and reached by
+//            LSA pointers: the WindowLayout regions (header, meta, rows, reduce; rank-major, sized
+//            from max_tokens_per_rank x R rows, never an expert-major worst case) followed by R
+//            inbox words for the device barriers. Needs every rank in one LSA team.
+// staged     two plain buffers per rank with the WindowLayout (a send buffer whose region [p] is
+//            the mailbox for peer p, and a receive buffer whose region [s] holds what s sent),
+//            moved by ncclSend/ncclRecv inside ncclGroupStart/End: works wherever NCCL does (other
+//            nodes, PCIe, network). NCCL needs the same byte count on both sides of a send and the
+//            counts stay on the device, so every delivery moves the fixed worst case of a region:
+//            max_tokens_per_rank slots per peer, each only as wide as the op's rows (packed stride).
+//
+// The transport is chosen once, collectively, at creation: GroupConfig::transport, else
+// EPX_TRANSPORT, else zero-copy when the LSA team spans the group and staged otherwise; the ranks
+// check that they agree before anything else is set up.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -42,42 +53,144 @@ void nccl_check(ncclResult_t r, const char* what) {
 
 using cuda::DeviceGuard;
 
-// What one rank holds; created in phases because window registration is collective.
+// The staged transport's delivery: for every peer, the regions of my send buffer addressed to it
+// go to my region of its receive buffer, and its regions for me come into region [peer] of mine.
+// Sends and receives to one peer are issued in the same order on both sides (NCCL matches them in
+// order per peer); the peers are visited in a rotating order so that the first transfers of all
+// ranks do not converge on one peer.
+class StagedLink final : public Link {
+ public:
+  StagedLink(ncclComm_t comm, int rank, int size, const WindowLayout& layout, char* send, char* recv)
+      : comm_(comm), rank_(rank), size_(size), L_(layout), send_(send), recv_(recv) {}
+
+  bool device_barriers() const override { return false; }
+  int64_t row_stride(const DeviceGroup&, int64_t bytes) const override { return (bytes + 15) / 16 * 16; }
+  size_t reduce_chunk_bytes(const DeviceGroup&) const override { return region_bytes(); }
+  void before_write(const DeviceGroup&, int, cudaStream_t) override {}  // stream order suffices
+  void deliver(const DeviceGroup&, const Delivery& d, cudaStream_t stream) override {
+    if (size_ == 1 || (d.row_stride == 0 && !d.meta && !d.header && d.chunk_bytes == 0)) return;
+    nccl_check(ncclGroupStart(), "ncclGroupStart");
+    post(d, stream);
+    nccl_check(ncclGroupEnd(), "ncclGroupEnd (staged exchange)");
+  }
+
+  /// The sends and receives of one delivery, without the group brackets (the creation warm-up
+  /// puts those of several ranks in one group).
+  void post(const Delivery& d, cudaStream_t stream) const {
+    const size_t meta_bytes = static_cast<size_t>(L_.max_tokens) * L_.max_topk * sizeof(RowMeta);
+    const size_t header_bytes = L_.header_ints * sizeof(int32_t);
+    const size_t row_bytes = static_cast<size_t>(L_.max_tokens) * static_cast<size_t>(d.row_stride);
+    for (int i = 1; i < size_; ++i) {
+      const int to = (rank_ + i) % size_, from = (rank_ - i + size_) % size_;
+      if (d.header) {
+        send(send_ + L_.header_offset(to), header_bytes, to, stream);
+        recv(recv_ + L_.header_offset(from), header_bytes, from, stream);
+      }
+      if (d.row_stride > 0) {
+        send(send_ + L_.row_offset(to, 0), row_bytes, to, stream);
+        recv(recv_ + L_.row_offset(from, 0), row_bytes, from, stream);
+      }
+      if (d.meta) {
+        send(send_ + L_.meta_offset(to, 0), meta_bytes, to, stream);
+        recv(recv_ + L_.meta_offset(from, 0), meta_bytes, from, stream);
+      }
+      if (d.chunk_bytes > 0) {
+        send(d.chunk, d.chunk_bytes, to, stream);
+        recv(recv_ + L_.row_offset(from, 0), d.chunk_bytes, from, stream);
+      }
+    }
+  }
+
+  /// Bytes of one peer's rows region: the largest chunk an all-reduce round moves.
+  size_t region_bytes() const { return static_cast<size_t>(L_.max_tokens) * L_.row_bytes; }
+
+ private:
+  void send(const void* p, size_t bytes, int peer, cudaStream_t s) const {
+    nccl_check(ncclSend(p, bytes, ncclUint8, peer, comm_, s), "ncclSend (staged exchange)");
+  }
+  void recv(void* p, size_t bytes, int peer, cudaStream_t s) const {
+    nccl_check(ncclRecv(p, bytes, ncclUint8, peer, comm_, s), "ncclRecv (staged exchange)");
+  }
+
+  ncclComm_t comm_;
+  int rank_, size_;
+  WindowLayout L_;
+  char* send_;
+  char* recv_;
+};
+
+// What one rank holds; created in phases because the transport agreement, the window
+// registration and the staged warm-up are collective.
 struct RankResources {
   ncclComm_t comm = nullptr;
   bool owns_comm = false;
   int device = 0, rank = 0, size = 1;
+  Transport transport = Transport::kZeroCopy;
   WindowLayout layout;
+  // zero-copy
   size_t window_bytes = 0;
   void* window = nullptr;
   ncclWindow_t win = nullptr;
-  bool zero_copy = false;
-  Tensor peer_window, peer_inbox, control;  // device arrays [R] ptr, [R] ptr, epoch + status words
+  // staged
+  size_t staging_bytes = 0;  // each of the two buffers: the header, meta and rows regions
+  void* send_buf = nullptr;
+  void* recv_buf = nullptr;
+  std::unique_ptr<StagedLink> staged;
+  bool stuck = false;  // staged: check() timed out on an exchange that has not completed since
+  Tensor peer_window, peer_inbox, mailboxes, control;  // device arrays [R] ptr, [R] ptr, [3R] ptr, epoch + status
+
+  size_t registered_bytes() const { return transport == Transport::kZeroCopy ? window_bytes : 2 * staging_bytes; }
 
   void allocate(const GroupConfig& c) {
     DeviceGuard g(device);
     layout = WindowLayout::make(c, size);
-    window_bytes = layout.total + signal_bytes(size);
-    nccl_check(ncclMemAlloc(&window, window_bytes), "ncclMemAlloc of the EP window");
-    EPX_CUDA_CHECK(cudaMemset(window, 0, window_bytes));
+    if (transport == Transport::kZeroCopy) {
+      window_bytes = layout.total + signal_bytes(size);
+      nccl_check(ncclMemAlloc(&window, window_bytes), "ncclMemAlloc of the EP window");
+      EPX_CUDA_CHECK(cudaMemset(window, 0, window_bytes));
+    } else {
+      staging_bytes = layout.reduce;  // up to the end of the rows regions; all-reduce chunks use the rows regions
+      nccl_check(ncclMemAlloc(&send_buf, staging_bytes), "ncclMemAlloc of the staged send buffer");
+      nccl_check(ncclMemAlloc(&recv_buf, staging_bytes), "ncclMemAlloc of the staged receive buffer");
+      EPX_CUDA_CHECK(cudaMemset(send_buf, 0, staging_bytes));
+      EPX_CUDA_CHECK(cudaMemset(recv_buf, 0, staging_bytes));
+      staged = std::make_unique<StagedLink>(comm, rank, size, layout, static_cast<char*>(send_buf),
+                                            static_cast<char*>(recv_buf));
+    }
   }
   void register_window() {
+    if (transport != Transport::kZeroCopy) return;
     DeviceGuard g(device);
     nccl_check(ncclCommWindowRegister(comm, window, window_bytes, &win, NCCL_WIN_COLL_SYMMETRIC),
                "ncclCommWindowRegister");
   }
   void finish() {
     DeviceGuard g(device);
-    zero_copy = lsa_team_size(comm) == size;
     peer_window = Tensor::zeros({size}, DType::kI64, Device::cuda(device));
     peer_inbox = Tensor::zeros({size}, DType::kI64, Device::cuda(device));
+    mailboxes = Tensor::zeros({3 * size}, DType::kI64, Device::cuda(device));
     control = Tensor::zeros({1 + kStatusWords}, DType::kI32, Device::cuda(device));
     const int32_t init[1 + kStatusWords] = {0, 0, kNoBadPair, 0, 0, 0, 0, 0, 0, 0};
     EPX_CUDA_CHECK(cudaMemcpy(control.data(), init, sizeof init, cudaMemcpyHostToDevice));
-    if (zero_copy) {
+    if (transport == Transport::kZeroCopy) {
       resolve_peer_windows(win, size, layout.total, static_cast<char**>(peer_window.data()),
                            static_cast<unsigned**>(peer_inbox.data()), nullptr);
+      build_zero_copy_mailboxes(layout, rank, size, static_cast<char* const*>(peer_window.data()),
+                                static_cast<char**>(mailboxes.data()), nullptr);
       EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    } else {
+      // Region [p] of the send buffer for peer p; what this rank sends itself goes straight into
+      // region [rank] of its receive buffer (nothing travels).
+      std::vector<char*> out(3 * size);
+      char* sb = static_cast<char*>(send_buf);
+      char* rb = static_cast<char*>(recv_buf);
+      for (int p = 0; p < size; ++p) {
+        char* base = p == rank ? rb : sb;
+        out[p] = base + layout.row_offset(p, 0);
+        out[size + p] = base + layout.meta_offset(p, 0);
+        out[2 * size + p] = base + layout.header_offset(p);
+      }
+      EPX_CUDA_CHECK(cudaMemcpy(mailboxes.data(), out.data(), out.size() * sizeof(char*), cudaMemcpyHostToDevice));
     }
   }
 };
@@ -96,10 +209,28 @@ void teardown(std::vector<RankResources>& ranks) {
   ncclGroupEnd();
   for (auto& r : ranks) {
     cudaSetDevice(r.device);
+    if (r.stuck) {
+      // A staged exchange a peer never joined is still pending: waiting for it would never end.
+      // Aborting our own communicator ends NCCL's pending kernels; a borrowed one is not ours to
+      // abort, so its buffers are left allocated rather than freed under a running kernel.
+      if (r.owns_comm && r.comm) {
+        ncclCommAbort(r.comm);
+        r.comm = nullptr;
+      } else {
+        r.send_buf = r.recv_buf = nullptr;
+      }
+    }
+    r.staged.reset();
     r.peer_window = Tensor();
     r.peer_inbox = Tensor();
+    r.mailboxes = Tensor();
     r.control = Tensor();
     if (r.window) ncclMemFree(r.window);
+    if (r.send_buf) {
+      cudaDeviceSynchronize();  // no staged exchange may still read or write the buffers
+      ncclMemFree(r.send_buf);
+    }
+    if (r.recv_buf) ncclMemFree(r.recv_buf);
     if (r.owns_comm && r.comm) ncclCommDestroy(r.comm);
   }
   cudaSetDevice(caller_device);
@@ -115,6 +246,120 @@ struct World {
   }
 };
 
+// Per rank of this process: the transport it can use for the request, or why it cannot.
+struct Choice {
+  Transport transport = Transport::kZeroCopy;
+  std::string error;
+};
+
+Choice choose(Transport requested, const RankResources& r) {
+  Choice c;
+  if (requested == Transport::kStaged) {
+    c.transport = Transport::kStaged;
+    return c;
+  }
+  const int lsa = lsa_team_size(r.comm);
+  if (lsa == r.size) {
+    c.transport = Transport::kZeroCopy;
+  } else if (requested == Transport::kZeroCopy) {
+    c.error = detail::concat("rank ", r.rank, " was asked for the zero-copy transport but cannot reach every peer's ",
+                             "memory by load/store (NCCL's LSA team has ", lsa, " of the group's ", r.size,
+                             " ranks); use Transport::kStaged or kAuto (or EPX_TRANSPORT=staged / auto)");
+  } else {
+    c.transport = Transport::kStaged;
+  }
+  return c;
+}
+
+// The per-rank votes of agree_on_transport, {ranks that failed, chose zero-copy, chose staged},
+// summed over every rank of the group with one small ncclAllReduce.
+std::vector<int32_t> allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices) {
+  const size_t n = ranks.size();
+  std::vector<Tensor> votes(n);
+  std::vector<cudaStream_t> streams(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    DeviceGuard g(ranks[i]->device);
+    int32_t v[3] = {choices[i].error.empty() ? 0 : 1, 0, 0};
+    if (choices[i].error.empty()) v[choices[i].transport == Transport::kZeroCopy ? 1 : 2] = 1;
+    votes[i] = Tensor::empty({3}, DType::kI32, Device::cuda(ranks[i]->device));
+    EPX_CUDA_CHECK(cudaMemcpy(votes[i].data(), v, sizeof v, cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+  }
+  nccl_check(ncclGroupStart(), "ncclGroupStart");
+  for (size_t i = 0; i < n; ++i)
+    nccl_check(ncclAllReduce(votes[i].data(), votes[i].data(), 3, ncclInt32, ncclSum, ranks[i]->comm, streams[i]),
+               "ncclAllReduce (transport agreement)");
+  nccl_check(ncclGroupEnd(), "ncclGroupEnd (transport agreement)");
+  std::vector<int32_t> total(3);
+  for (size_t i = 0; i < n; ++i) {
+    DeviceGuard g(ranks[i]->device);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+    EPX_CUDA_CHECK(cudaMemcpy(total.data(), votes[i].data(), sizeof(int32_t) * 3, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaStreamDestroy(streams[i]));
+  }
+  return total;
+}
+
+// Every rank's choice, agreed before anything transport-specific is set up: a rank that cannot
+// serve the request, or ranks that chose differently (EPX_TRANSPORT set differently), make every
+// rank throw instead of some of them hanging in a collective the others never join. When this
+// process drives the whole group the choices are compared here; otherwise the votes are summed
+// over the group (one small collective, at creation only).
+void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices, const char* fn) {
+  const int R = ranks[0]->size;
+  std::vector<int32_t> total(3, 0);
+  for (const Choice& c : choices) ++total[!c.error.empty() ? 0 : c.transport == Transport::kZeroCopy ? 1 : 2];
+  if (static_cast<int>(ranks.size()) < R) total = allreduce_votes(ranks, choices);
+  for (const Choice& c : choices)
+    if (!c.error.empty()) throw Error(Status::kNotSupported, detail::concat(fn, ": ", c.error));
+  require_status(total[0] == 0, Status::kNotSupported, fn, total[0], " of the group's ", R,
+                 " ranks cannot use the transport they were asked for (see their errors)");
+  require(total[1] == 0 || total[2] == 0, fn, "the ranks disagree on the transport: ", total[1],
+          " chose zero-copy and ", total[2], " chose staged (GroupConfig::transport and EPX_TRANSPORT must agree on "
+          "every rank)");
+  for (RankResources* r : ranks) r->transport = choices[0].transport;
+}
+
+// The staged transport's first exchange, at creation and synchronous: NCCL connects peers lazily
+// on their first send/receive (allocating memory, waiting for the peer), which must not happen
+// inside a captured graph or while a peer's kernels are in flight. One full-size delivery of every
+// kind connects every peer on every channel the ops will use.
+void warm_up_staged(std::vector<RankResources*>& ranks) {
+  if (ranks.empty() || ranks[0]->transport != Transport::kStaged || ranks[0]->size == 1) return;
+  std::vector<cudaStream_t> streams(ranks.size(), nullptr);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    DeviceGuard g(ranks[i]->device);
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+  }
+  Delivery all;
+  all.header = true;
+  all.meta = true;
+  all.row_stride = static_cast<int64_t>(ranks[0]->layout.row_bytes);
+  nccl_check(ncclGroupStart(), "ncclGroupStart");
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->staged->post(all, streams[i]);
+  nccl_check(ncclGroupEnd(), "ncclGroupEnd (staged warm-up)");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    DeviceGuard g(ranks[i]->device);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+    EPX_CUDA_CHECK(cudaStreamDestroy(streams[i]));
+  }
+}
+
+// Sets up the ranks this process drives, all at once (collective calls grouped across them).
+void set_up(std::vector<RankResources*>& ranks, Transport requested, const GroupConfig& config, const char* fn) {
+  std::vector<Choice> choices;
+  for (RankResources* r : ranks) choices.push_back(choose(requested, *r));
+  agree_on_transport(ranks, choices, fn);
+  for (RankResources* r : ranks) r->allocate(config);
+  if (ranks[0]->transport == Transport::kZeroCopy) {
+    nccl_check(ncclGroupStart(), "ncclGroupStart");
+    for (RankResources* r : ranks) r->register_window();
+    nccl_check(ncclGroupEnd(), "ncclGroupEnd (window registration)");
+  }
+  for (RankResources* r : ranks) r->finish();
+  warm_up_staged(ranks);
+}
+
 class NcclGroup final : public GroupState {
  public:
   NcclGroup(std::shared_ptr<World> world, int index, const GroupConfig& c) : world_(std::move(world)), index_(index) {
@@ -124,13 +369,11 @@ class NcclGroup final : public GroupState {
     size = r.size;
     local_experts = c.num_experts / size;
     device = Device::cuda(r.device);
-    transport = Transport::kZeroCopy;
+    transport = r.transport;
     recv_capacity_rows = c.recv_capacity_rows > 0 ? c.recv_capacity_rows : worst_case_recv_rows(c, size);
-    registered_bytes = r.window_bytes;
+    registered_bytes = r.registered_bytes();
     id = next_group_id();
-    require_status(r.zero_copy, Status::kNotSupported, "epx::Group",
-                   "rank ", rank, " cannot reach every peer's memory by load/store (NCCL's LSA team has fewer than ",
-                   size, " ranks): the staged transport for such groups is not available in this build");
+    link_ = transport == Transport::kZeroCopy ? &barrier_link() : static_cast<Link*>(r.staged.get());
     pool_ = std::make_shared<HandlePool>(cuda::handle_block_bytes(c, size), r.device);
     pool_->reserve(4);  // a few layers x microbatches in flight without allocating in prepare()
     dg_.rank = rank;
@@ -142,14 +385,24 @@ class NcclGroup final : public GroupState {
     dg_.align = c.align;
     dg_.recv_capacity = recv_capacity_rows;
     dg_.layout = r.layout;
-    dg_.peer_window = static_cast<char* const*>(r.peer_window.data());
-    dg_.my_window = static_cast<char*>(r.window);
-    dg_.peer_inbox = static_cast<uint32_t* const*>(r.peer_inbox.data());
-    dg_.my_inbox = reinterpret_cast<uint32_t*>(static_cast<char*>(r.window) + r.layout.total);
+    dg_.out = static_cast<char* const*>(r.mailboxes.data());
     dg_.epoch = static_cast<uint32_t*>(r.control.data());
     dg_.status = r.control.ptr<int32_t>() + 1;
     dg_.timeout_ns = static_cast<uint64_t>(resolved_timeout_s(c) * 1e9);
     dg_.send_blocks = c.num_sms > 0 ? c.num_sms : 32;
+    if (transport == Transport::kZeroCopy) {
+      dg_.peer_window = static_cast<char* const*>(r.peer_window.data());
+      dg_.my_window = static_cast<char*>(r.window);
+      dg_.peer_inbox = static_cast<uint32_t* const*>(r.peer_inbox.data());
+      dg_.my_inbox = reinterpret_cast<uint32_t*>(static_cast<char*>(r.window) + r.layout.total);
+    } else {
+      dg_.my_window = static_cast<char*>(r.recv_buf);
+      DeviceGuard g(r.device);
+      EPX_CUDA_CHECK(cudaEventCreateWithFlags(&last_exchange_, cudaEventDisableTiming));
+    }
+  }
+  ~NcclGroup() override {
+    if (last_exchange_) cudaEventDestroy(last_exchange_);
   }
 
   void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights, const PrepareOptions& options,
@@ -159,43 +412,55 @@ class NcclGroup final : public GroupState {
     cuda::bind_handle(h, h.storage.get(), config, size, rank, device);
     cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/false, config.align, recv_capacity_rows,
                             dg_.status, stream);
-    exchange_counts(dg_, h, cuda::handle_segment_starts(h), stream);
+    exchange_counts(dg_, *link_, h, cuda::handle_segment_starts(h), stream);
+    note_exchange(stream, kOpPrepare);
   }
 
   void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales, const TensorRef& topk_weights,
                         const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
                         Stream stream) override {
     DeviceGuard g(device.index);
-    dispatch_rows(dg_, h, cuda::handle_segment_starts(h), x, x_scales, topk_weights, recv_x, recv_scales, recv_weights,
-                  stream);
+    dispatch_rows(dg_, *link_, h, cuda::handle_segment_starts(h), x, x_scales, topk_weights, recv_x, recv_scales,
+                  recv_weights, stream);
+    note_exchange(stream, kOpDispatch);
   }
 
   void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights, const TensorRef& out,
                        Stream stream) override {
     DeviceGuard g(device.index);
-    reduce_rows(dg_, h, kOpCombine, y, row_weights, TensorRef(), out, TensorRef(), stream);
+    reduce_rows(dg_, *link_, h, kOpCombine, y, row_weights, TensorRef(), out, TensorRef(), stream);
+    note_exchange(stream, kOpCombine);
   }
 
   void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y, const TensorRef& row_weights,
                         const TensorRef& d_y, const TensorRef& d_row_weights, Stream stream) override {
     DeviceGuard g(device.index);
-    spread_rows(dg_, h, d_out, y, row_weights, d_y, d_row_weights, stream);
+    spread_rows(dg_, *link_, h, d_out, y, row_weights, d_y, d_row_weights, stream);
+    note_exchange(stream, kOpCombineBwd);
   }
 
   void dispatch_backward(HandleState& h, const TensorRef& d_recv_x, const TensorRef& d_recv_weights,
                          const TensorRef& d_x, const TensorRef& d_topk_weights, Stream stream) override {
     DeviceGuard g(device.index);
-    reduce_rows(dg_, h, kOpDispatchBwd, d_recv_x, TensorRef(), d_recv_weights, d_x, d_topk_weights, stream);
+    reduce_rows(dg_, *link_, h, kOpDispatchBwd, d_recv_x, TensorRef(), d_recv_weights, d_x, d_topk_weights, stream);
+    note_exchange(stream, kOpDispatchBwd);
   }
 
   void all_reduce_sum(const TensorRef& buffer, Stream stream) override {
     DeviceGuard g(device.index);
-    all_reduce(dg_, buffer, stream);
+    all_reduce(dg_, *link_, buffer, stream);
+    note_exchange(stream, kOpReduce);
   }
 
   void check() override {
     DeviceGuard g(device.index);
+    if (transport == Transport::kStaged) wait_for_last_exchange();
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    if (transport == Transport::kStaged) {
+      ncclResult_t async = ncclSuccess;
+      nccl_check(ncclCommGetAsyncError(res().comm, &async), "ncclCommGetAsyncError");
+      nccl_check(async, "the staged exchange (asynchronous NCCL error)");
+    }
     int32_t s[kStatusWords];
     EPX_CUDA_CHECK(cudaMemcpy(s, dg_.status, sizeof s, cudaMemcpyDeviceToHost));
     // Reset everything but the broken flag: a group that timed out stays unusable.
@@ -205,11 +470,8 @@ class NcclGroup final : public GroupState {
       std::string missing;
       for (int p = 0; p < size; ++p)
         if ((p < 32 ? s[5] : s[6]) >> (p & 31) & 1) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-      static const char* ops[] = {"?", "prepare", "dispatch_forward", "combine_forward", "combine_backward",
-                                  "dispatch_backward", "all_reduce_sum"};
-      const char* op = s[7] >= 1 && s[7] <= 6 ? ops[s[7]] : "?";
       throw Error(Status::kTimeout,
-                  detail::concat("epx::", op, ": rank ", rank, " waited ", resolved_timeout_s(config),
+                  detail::concat("epx::", op_name(s[7]), ": rank ", rank, " waited ", resolved_timeout_s(config),
                                  " s at barrier ", static_cast<uint32_t>(s[8]), "; rank(s) ", missing,
                                  " never arrived (do all ranks make the same collective calls in the same order?). "
                                  "The group is unusable; destroy it on every rank."));
@@ -220,16 +482,63 @@ class NcclGroup final : public GroupState {
  private:
   RankResources& res() const { return world_->ranks[index_]; }
 
+  static const char* op_name(int code) {
+    static const char* ops[] = {"?", "prepare", "dispatch_forward", "combine_forward", "combine_backward",
+                                "dispatch_backward", "all_reduce_sum"};
+    return code >= 1 && code <= 6 ? ops[code] : "?";
+  }
+
+  // Staged: marks the end of the latest exchange on its stream (outside graph capture), so that
+  // check() can wait for it with a timeout instead of blocking forever on a peer that never joins.
+  void note_exchange(Stream stream, int op_code) {
+    if (!last_exchange_) return;
+    cudaStream_t s = cuda::to_cuda(stream);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();  // e.g. the legacy stream while another thread captures: no marker this time
+      return;
+    }
+    EPX_CUDA_CHECK(cudaEventRecord(last_exchange_, s));
+    last_op_ = op_code;
+  }
+
+  void wait_for_last_exchange() {
+    if (!last_exchange_ || last_op_ == 0) return;
+    const double timeout = resolved_timeout_s(config);
+    const auto start = std::chrono::steady_clock::now();
+    while (true) {
+      const cudaError_t e = cudaEventQuery(last_exchange_);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) EPX_CUDA_CHECK(e);
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
+        res().stuck = true;
+        throw Error(Status::kTimeout,
+                    detail::concat("epx::", op_name(last_op_), ": rank ", rank, " waited ", timeout,
+                                   " s for the staged exchange (ncclSend/ncclRecv) to complete; a peer has not made "
+                                   "the same call (do all ranks make the same collective calls in the same order?). "
+                                   "NCCL does not say which peer is missing; the exchange stays queued and completes "
+                                   "if the peer arrives; destroying the group before that aborts the communicator "
+                                   "it created (a borrowed one is left alone)."));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    last_op_ = 0;
+    res().stuck = false;
+  }
+
   std::shared_ptr<World> world_;
   int index_;
   DeviceGroup dg_;
+  Link* link_ = nullptr;
   std::shared_ptr<HandlePool> pool_;
+  cudaEvent_t last_exchange_ = nullptr;
+  int last_op_ = 0;
 };
 
 // The state of a group for the one rank this process drives on a communicator (collective: every
 // rank of the communicator builds its own at the same time).
 std::unique_ptr<GroupState> single_rank_state(ncclComm_t c, bool owns_comm, int device, int rank, int size,
-                                              const GroupConfig& config) {
+                                              const GroupConfig& config, Transport requested, const char* fn) {
   auto world = std::make_shared<World>();
   world->ranks.resize(1);
   RankResources& rr = world->ranks[0];
@@ -238,9 +547,8 @@ std::unique_ptr<GroupState> single_rank_state(ncclComm_t c, bool owns_comm, int 
   rr.device = device;
   rr.rank = rank;
   rr.size = size;
-  rr.allocate(config);
-  rr.register_window();
-  rr.finish();
+  std::vector<RankResources*> mine{&rr};
+  set_up(mine, requested, config, fn);
   return std::make_unique<NcclGroup>(world, 0, config);
 }
 
@@ -277,6 +585,7 @@ ncclUniqueId from_hex(const std::string& s, const char* where) {
 
 std::vector<Group> Group::create_all_local(const GroupConfig& config, std::vector<int> devices) {
   const char* fn = "epx::Group::create_all_local";
+  const Transport requested = requested_transport(config, fn);
   const int n = detail::cuda_device_count();
   if (devices.empty())
     for (int d = 0; d < n; ++d) devices.push_back(d);
@@ -296,12 +605,10 @@ std::vector<Group> Group::create_all_local(const GroupConfig& config, std::vecto
     rr.device = devices[r];
     rr.rank = r;
     rr.size = R;
-    rr.allocate(config);
   }
-  comm::nccl_check(ncclGroupStart(), "ncclGroupStart");
-  for (auto& rr : world->ranks) rr.register_window();
-  comm::nccl_check(ncclGroupEnd(), "ncclGroupEnd (window registration)");
-  for (auto& rr : world->ranks) rr.finish();
+  std::vector<comm::RankResources*> all;
+  for (auto& rr : world->ranks) all.push_back(&rr);
+  comm::set_up(all, requested, config, fn);
   std::vector<Group> groups;
   for (int r = 0; r < R; ++r) groups.push_back(Group(std::make_unique<comm::NcclGroup>(world, r, config)));
   return groups;
@@ -309,6 +616,7 @@ std::vector<Group> Group::create_all_local(const GroupConfig& config, std::vecto
 
 Group Group::from_nccl(void* nccl_comm, const GroupConfig& config) {
   const char* fn = "epx::Group::from_nccl";
+  const Transport requested = requested_transport(config, fn);
   require(nccl_comm != nullptr, fn, "nccl_comm is null");
   ncclComm_t c = static_cast<ncclComm_t>(nccl_comm);
   int R = 0, rank = 0, dev = 0;
@@ -316,11 +624,16 @@ Group Group::from_nccl(void* nccl_comm, const GroupConfig& config) {
   comm::nccl_check(ncclCommUserRank(c, &rank), "ncclCommUserRank");
   comm::nccl_check(ncclCommCuDevice(c, &dev), "ncclCommCuDevice");
   config.validate(fn, R);
-  return Group(comm::single_rank_state(c, /*owns_comm=*/false, dev, rank, R, config));
+  return Group(comm::single_rank_state(c, /*owns_comm=*/false, dev, rank, R, config, requested, fn));
 }
 
 Group Group::create_from_env(const GroupConfig& config) {
   const char* fn = "epx::Group::create_from_env";
+  // The k-th group this process creates from the environment (every rank creates its groups in the
+  // same order) takes its NCCL id from EPX_NCCL_ID_FILE for k = 0 and from "<file>.<k>" after that.
+  static std::atomic<int> groups_from_env{0};
+  const int serial = groups_from_env.fetch_add(1);
+  const Transport requested = requested_transport(config, fn);
   const int rank = comm::env_int({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"}, -1);
   const int world = comm::env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE"}, -1);
   const int local = comm::env_int({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}, 0);
@@ -332,17 +645,15 @@ Group Group::create_from_env(const GroupConfig& config) {
   EPX_CUDA_CHECK(cudaSetDevice(local));
   ncclUniqueId id{};
   const char* env_id = std::getenv("EPX_NCCL_ID");
-  const char* file_env = std::getenv("EPX_NCCL_ID_FILE");
-  // Every rank creates its groups in the same order, so the n-th group of a process meets its peers
-  // in the n-th id file: a later group never reads the id of an earlier one.
-  static std::atomic<int> groups_created{0};
-  const int nth = groups_created++;
-  const std::string file_name = file_env ? std::string(file_env) + (nth ? "." + std::to_string(nth) : "") : "";
-  const char* file = file_env ? file_name.c_str() : nullptr;
+  const char* file = std::getenv("EPX_NCCL_ID_FILE");
   if (env_id) {
+    require(serial == 0, fn, "EPX_NCCL_ID holds one NCCL id, good for one group per process, and this is group ",
+            serial + 1, " created from the environment; use EPX_NCCL_ID_FILE (one id file per group)");
     id = comm::from_hex(env_id, "EPX_NCCL_ID");
   } else {
     require(file != nullptr, fn, "neither EPX_NCCL_ID (hex) nor EPX_NCCL_ID_FILE (a path every rank can read) is set");
+    const std::string path = serial == 0 ? std::string(file) : std::string(file) + "." + std::to_string(serial);
+    file = path.c_str();
     if (rank == 0) {
       comm::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
       const std::string tmp = std::string(file) + ".tmp";
@@ -365,7 +676,7 @@ Group Group::create_from_env(const GroupConfig& config) {
   }
   ncclComm_t c = nullptr;
   comm::nccl_check(ncclCommInitRank(&c, world, id, rank), "ncclCommInitRank");
-  return Group(comm::single_rank_state(c, /*owns_comm=*/true, local, rank, world, config));
+  return Group(comm::single_rank_state(c, /*owns_comm=*/true, local, rank, world, config, requested, fn));
 }
 
 }  // namespace epx

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "core/device_memory.h"
@@ -56,6 +57,26 @@ double resolved_timeout_s(const GroupConfig& c) {
     if (v > 0) return v;
   }
   return 10.0;
+}
+
+Transport parse_transport(const char* value, const char* fn) {
+  const std::string v = value ? value : "";
+  if (v == "auto") return Transport::kAuto;
+  if (v == "zerocopy" || v == "zero-copy") return Transport::kZeroCopy;
+  if (v == "staged") return Transport::kStaged;
+  throw Error(Status::kInvalidArgument, detail::concat(fn, ": EPX_TRANSPORT is \"", v,
+                                                       "\", expected one of auto, zerocopy, staged"));
+}
+
+Transport requested_transport(const GroupConfig& c, const char* fn) {
+  require(c.transport == Transport::kAuto || c.transport == Transport::kZeroCopy || c.transport == Transport::kStaged,
+          fn, "config.transport is ", transport_name(c.transport),
+          ", expected auto, zero-copy or staged for an NCCL group (host and local are backends of their own: "
+          "Group::create_simulated, Group::create_local)");
+  // Read even when the config names the transport, so a bad value never goes unnoticed.
+  const char* env = std::getenv("EPX_TRANSPORT");
+  const Transport from_env = env ? parse_transport(env, fn) : Transport::kAuto;
+  return c.transport != Transport::kAuto ? c.transport : from_env;
 }
 
 uint64_t next_group_id() {

@@ -91,6 +91,16 @@ int64_t worst_case_recv_rows(const GroupConfig& config, int num_ranks);
 /// The wait timeout in seconds: config.timeout_s, else EPX_TIMEOUT_S, else 10 s.
 double resolved_timeout_s(const GroupConfig& config);
 
+/// The transport an NCCL group is asked for: config.transport when it names one (kZeroCopy,
+/// kStaged), else EPX_TRANSPORT when set (auto | zerocopy | staged), else kAuto. Read at group
+/// creation. Throws an Error naming `fn` for a bad EPX_TRANSPORT value, or for kHost / kLocal
+/// (backends of their own, not transports of an NCCL group).
+Transport requested_transport(const GroupConfig& config, const char* fn);
+
+/// One EPX_TRANSPORT value: "auto", "zerocopy" (or "zero-copy") or "staged"; anything else is an
+/// Error naming the variable, the expected values and `value`.
+Transport parse_transport(const char* value, const char* fn);
+
 /// A process-unique id for a new group (handles remember the id of the group that made them).
 uint64_t next_group_id();
 
