@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -375,10 +376,23 @@ OffsetBuffer offset_copy(const Tensor& host, int offset) {
   return b;
 }
 
-// First T * K entries of a handle's recv_row (host copy).
-std::vector<int32_t> recv_rows_of(const Handle& h, int64_t n) {
-  Tensor r = to_host(h.state().recv_row);
-  return std::vector<int32_t>(r.ptr<int32_t>(), r.ptr<int32_t>() + n);
+// recv_row by (token, slot) of a one-rank group's handle: the one-GPU group indexes it by token
+// already; the reference group by (source rank, row in the list of tokens sent), and a token with
+// every slot masked is not in that list, so it is translated through token_slot.
+std::vector<int32_t> recv_rows_by_token(const Group& g, const Handle& h, int T, int K) {
+  const Tensor r = to_host(h.state().recv_row);
+  std::vector<int32_t> out(static_cast<size_t>(T) * K, -1);
+  if (g.transport() == Transport::kLocal) {
+    std::copy(r.ptr<int32_t>(), r.ptr<int32_t>() + out.size(), out.begin());
+    return out;
+  }
+  const Tensor slot = to_host(h.state().token_slot);  // [T, R], R = 1
+  for (int t = 0; t < T; ++t) {
+    const int32_t sl = slot.ptr<int32_t>()[t];
+    if (sl < 0) continue;
+    for (int k = 0; k < K; ++k) out[static_cast<size_t>(t) * K + k] = r.ptr<int32_t>()[static_cast<int64_t>(sl) * K + k];
+  }
+  return out;
 }
 
 struct Dispatched {
@@ -415,7 +429,7 @@ Dispatched reference_dispatch(const Case& c, const Inputs& in, const Tensor& x, 
   dispatch_forward(g, h, x, x_scales, in.w, d.x, d.scales, d.w, {});
   g.check();
   d.offsets = h.expert_offsets_host();
-  d.recv_row = recv_rows_of(h, static_cast<int64_t>(c.T) * c.K);
+  d.recv_row = recv_rows_by_token(g, h, c.T, c.K);
   return d;
 }
 
@@ -449,7 +463,7 @@ Dispatched launcher_dispatch(Group& g, const Case& c, const Inputs& in, const Te
   g.check();
   Dispatched d;
   d.offsets = h.expert_offsets_host();
-  d.recv_row = recv_rows_of(h, static_cast<int64_t>(c.T) * c.K);
+  d.recv_row = recv_rows_by_token(g, h, c.T, c.K);
   d.x = to_host(rx.view);
   if (s_host.defined()) d.scales = to_host(rs.view);
   d.w = to_host(rw);
@@ -639,7 +653,7 @@ Dispatched quant_dispatch(Group& g, const Case& c, const QuantVariant& v, const 
     d.scales = to_host(rs);
   }
   d.offsets = h.expert_offsets_host();
-  d.recv_row = recv_rows_of(h, static_cast<int64_t>(c.T) * c.K);
+  d.recv_row = recv_rows_by_token(g, h, c.T, c.K);
   d.w = to_host(rw);
   return d;
 }
