@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/quant.h"
 #include "epx/tensor.h"
 
 namespace epx {
@@ -141,9 +142,19 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
 /// expert-major order; padding rows get zero payload and zero scale bytes. With align a multiple of
 /// 32 (MX) or 128, every expert segment is a whole number of scale blocks down the rows too, as a
 /// column-wise consumer (the wgrad GEMM) needs.
+///
+/// Quantize on the way: x may instead be fp32, bf16 or fp16 with x_scales undefined; then recv_x
+/// (fp8_e4m3) and recv_scales pick the recipe: fp32 recv_scales [>= rows, H/128] = FP8 1x128 blocks,
+/// e8m0 recv_scales [>= rows, H/32] = MXFP8 rowwise with quant_options.mx_rounding (H must be a
+/// multiple of the block). The result is bit-identical to quantize(recipe, x, q, s, quant_options)
+/// followed by the quantized dispatch of (q, s), NaN / inf / zero-block rules included (epx/quant.h).
+/// The one-GPU group does it in one kernel that reads each token row once and writes the fp8 row and
+/// its scales to every destination; the other backends quantize into a temporary at the source (host
+/// memory, or the device's stream-ordered pool: no host synchronisation) and send that.
+/// quant_options is ignored when x is already fp8.
 void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& x_scales,
                       const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
-                      const TensorRef& recv_weights, Stream stream = {});
+                      const TensorRef& recv_weights, Stream stream = {}, const QuantOptions& quant_options = {});
 
 /// y [>= rows, H] expert outputs in recv_x's layout (padding rows are never read).
 /// row_weights: recv_weights from dispatch for a weighted sum, or undefined for a plain sum

@@ -1,6 +1,7 @@
 // A group of one rank on one GPU: every expert is local, so dispatch and combine are the local
 // permute kernels and nothing crosses a link. Same Handle, same layout, same contracts as the
-// multi-rank groups; it is also what a single-GPU MoE layer runs on.
+// multi-rank groups; it is also what a single-GPU MoE layer runs on. Quantize-on-the-way dispatch
+// runs fused (one kernel reads x once and writes fp8 rows and scales to every destination).
 #include <cuda_runtime_api.h>
 
 #include <memory>
@@ -35,6 +36,7 @@ class LocalGroup final : public GroupState {
     DeviceGuard g(dev);
     status_ = Tensor::empty({5}, DType::kI32, device);
     reset_status();
+    fused_quantize_ = cuda::permute_quantize_fits(c.hidden);
   }
 
   void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights, const PrepareOptions& options,
@@ -50,7 +52,18 @@ class LocalGroup final : public GroupState {
                         const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
                         Stream stream) override {
     DeviceGuard g(device.index);
-    cuda::permute_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, recv_capacity_rows, stream);
+    cuda::permute_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, recv_capacity_rows,
+                          config.align, stream);
+  }
+
+  bool fuses_quantize_dispatch() const override { return fused_quantize_; }
+
+  void dispatch_forward_quantize(HandleState& h, QuantRecipe recipe, E8M0Rounding mx_rounding, const TensorRef& x,
+                                 const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
+                                 const TensorRef& recv_weights, Stream stream) override {
+    DeviceGuard g(device.index);
+    cuda::permute_quantize_forward(h, recipe, mx_rounding, x, topk_weights, recv_x, recv_scales, recv_weights,
+                                   recv_capacity_rows, config.align, stream);
   }
 
   void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights, const TensorRef& out,
@@ -90,6 +103,7 @@ class LocalGroup final : public GroupState {
 
   std::shared_ptr<HandlePool> pool_;
   Tensor status_;
+  bool fused_quantize_ = false;  // the fused kernel's shared-memory stages fit rows of `hidden`
 };
 
 }  // namespace

@@ -27,7 +27,9 @@
 #include <memory>
 
 #include "epx/comm.h"
+#include "epx/error.h"
 #include "epx/layout.h"
+#include "epx/quant.h"
 #include "epx/tensor.h"
 
 namespace epx {
@@ -73,6 +75,17 @@ struct GroupState {
   virtual void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales,
                                 const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
                                 const TensorRef& recv_weights, Stream stream) = 0;
+  /// Whether this backend quantizes while dispatching in one pass over x (the one-GPU group). Where
+  /// it does not, the public dispatch_forward quantizes x into a temporary at the source and calls
+  /// the quantized dispatch_forward above: the same bytes either way.
+  virtual bool fuses_quantize_dispatch() const { return false; }
+  /// x [T, H] fp32/bf16/fp16 quantized with `recipe` (fp8_block_1x128 or mxfp8_rowwise, H a multiple
+  /// of the block; arguments validated by the caller) and dispatched: recv_x / recv_scales get
+  /// exactly what quantize(recipe, x) followed by the quantized dispatch_forward would write.
+  virtual void dispatch_forward_quantize(HandleState&, QuantRecipe, E8M0Rounding, const TensorRef&, const TensorRef&,
+                                         const TensorRef&, const TensorRef&, const TensorRef&, Stream) {
+    throw Error(Status::kNotSupported, "epx::dispatch_forward: this backend has no fused quantize-dispatch");
+  }
   virtual void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights,
                                const TensorRef& out, Stream stream) = 0;
   virtual void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y,

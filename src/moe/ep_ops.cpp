@@ -1,13 +1,21 @@
 // Public entry points of the EP ops: validate every argument once, before any work is queued, then
-// hand over to the group's backend. Nothing here touches data.
+// hand over to the group's backend. Nothing here touches data itself; the one composition is the
+// quantize-on-the-way dispatch of a backend without a fused kernel: quantize (queued on the op's
+// stream into a temporary) then the backend's quantized dispatch.
 #include <cmath>
 #include <memory>
+#include <string>
 
 #include "core/check.h"
 #include "core/ep_state.h"
 #include "epx/comm.h"
 #include "epx/error.h"
 #include "epx/layout.h"
+#include "epx/quant.h"
+
+#ifdef EPX_HAVE_CUDA
+#include "cuda/quant/quant.h"
+#endif
 
 namespace epx {
 
@@ -36,6 +44,32 @@ void check_handle(const char* fn, const GroupState& g, const HandleState& h, boo
           "one layer and one microbatch)");
   if (must_be_dispatched)
     require(h.dispatched, fn, "the handle has not been dispatched yet (call dispatch_forward first)");
+}
+
+// The quantize-on-the-way form of the quantized dispatch: x fp32/bf16/fp16, x_scales undefined,
+// recv_x fp8 and recv_scales whose dtype picks the recipe. Returns the recipe.
+QuantRecipe check_quantize_dispatch(const char* fn, const TensorRef& x, const TensorRef& recv_x,
+                                    const TensorRef& recv_scales, const QuantOptions& options, int64_t H, int64_t cap) {
+  require(x.dtype() == DType::kF32 || x.dtype() == DType::kBF16 || x.dtype() == DType::kF16, fn, "x has dtype ",
+          dtype_name(x.dtype()), ", expected fp8_e4m3 with x_scales, or fp32, bf16 or fp16 to quantize on the way");
+  check_tensor(fn, "recv_scales", recv_scales, {-1, -1}, {DType::kF32, DType::kE8M0});
+  const QuantRecipe recipe =
+      recv_scales.dtype() == DType::kF32 ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
+  const int64_t block = recipe == QuantRecipe::kFp8Block1x128 ? 128 : 32;
+  require(H % block == 0, fn, "x has ", H, " columns (hidden), expected a multiple of ", block, " to quantize on the way ",
+          "with the ", quant_recipe_name(recipe), " recipe that ", dtype_name(recv_scales.dtype()),
+          " recv_scales select (whole ", block, "-element blocks)");
+  require(recv_scales.size(1) == H / block, fn, "recv_scales has shape ", recv_scales.shape().str(), ", expected [>= ",
+          cap, ", ", H / block, "] (one ", dtype_name(recv_scales.dtype()), " scale per ", block,
+          " elements of a row of ", H, ": the ", quant_recipe_name(recipe), " recipe)");
+  check_min_rows(fn, "recv_scales", recv_scales, cap);
+  require(recv_x.defined() && recv_x.dtype() == DType::kF8E4M3, fn, "recv_x ",
+          recv_x.defined() ? detail::concat("has dtype ", dtype_name(recv_x.dtype())) : std::string("is missing"),
+          ", expected fp8_e4m3 (x is quantized on the way when recv_scales is given without x_scales)");
+  require(options.mx_rounding == E8M0Rounding::kFloor || options.mx_rounding == E8M0Rounding::kCeil, fn,
+          "quant_options.mx_rounding has value ", static_cast<int>(options.mx_rounding),
+          ", expected kFloor (0) or kCeil (1)");
+  return recipe;
 }
 
 }  // namespace
@@ -82,7 +116,7 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
 
 void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const TensorRef& x_scales,
                       const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
-                      const TensorRef& recv_weights, Stream stream) {
+                      const TensorRef& recv_weights, Stream stream, const QuantOptions& quant_options) {
   const char* fn = "epx::dispatch_forward";
   GroupState& g = group.state();
   HandleState& h = handle.state();
@@ -92,9 +126,15 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
   const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
   check_tensor(fn, "x", x, {T, H}, kPayloadTypes);
   const bool quantized = x_scales.defined() || recv_scales.defined();
-  if (quantized) {
+  // Quantize on the way: a high-precision x without scales, fp8 rows and scales expected out.
+  const bool quantize_here = quantized && !x_scales.defined() && x.dtype() != DType::kF8E4M3;
+  QuantRecipe recipe = QuantRecipe::kFp8Block1x128;
+  if (quantize_here) {
+    recipe = check_quantize_dispatch(fn, x, recv_x, recv_scales, quant_options, H, cap);
+  } else if (quantized) {
     require(x.dtype() == DType::kF8E4M3, fn, "x has dtype ", dtype_name(x.dtype()),
-            ", expected fp8_e4m3 when scales travel with it");
+            ", expected fp8_e4m3 when scales travel with it (leave x_scales undefined to quantize an fp32, bf16 "
+            "or fp16 x on the way)");
     check_tensor(fn, "x_scales", x_scales, {T, -1}, {DType::kF32, DType::kE8M0});
     const int64_t S = x_scales.size(1);
     const int64_t block = x_scales.dtype() == DType::kF32 ? 128 : 32;
@@ -102,16 +142,20 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
             " (one ", dtype_name(x_scales.dtype()), " scale per ", block, " elements of a row of ", H, ")");
     check_tensor(fn, "recv_scales", recv_scales, {-1, S}, {x_scales.dtype()});
     check_min_rows(fn, "recv_scales", recv_scales, cap);
-    const size_t row_bytes = static_cast<size_t>(H) + static_cast<size_t>(S) * dtype_size(x_scales.dtype());
-    require(row_bytes <= static_cast<size_t>(H) * dtype_size(g.config.max_dtype), fn, "an fp8 row with its scales takes ",
-            row_bytes, " bytes, more than the ", H * dtype_size(g.config.max_dtype),
-            " bytes per row the group was sized for (max_dtype ", dtype_name(g.config.max_dtype), ")");
   } else {
     check_payload_width(fn, "x", x, g.config);
   }
+  if (quantized) {
+    const DType sdt = recv_scales.dtype();
+    const int64_t S = recv_scales.size(1);
+    const size_t row_bytes = static_cast<size_t>(H) + static_cast<size_t>(S) * dtype_size(sdt);
+    require(row_bytes <= static_cast<size_t>(H) * dtype_size(g.config.max_dtype), fn, "an fp8 row with its scales takes ",
+            row_bytes, " bytes, more than the ", H * dtype_size(g.config.max_dtype),
+            " bytes per row the group was sized for (max_dtype ", dtype_name(g.config.max_dtype), ")");
+  }
   const DType wt = weight_dtype(x.dtype());
   if (topk_weights.defined()) check_tensor(fn, "topk_weights", topk_weights, {T, K}, {wt});
-  check_tensor(fn, "recv_x", recv_x, {-1, H}, {x.dtype()});
+  check_tensor(fn, "recv_x", recv_x, {-1, H}, {quantize_here ? DType::kF8E4M3 : x.dtype()});
   check_min_rows(fn, "recv_x", recv_x, cap);
   if (recv_weights.defined()) {
     require(topk_weights.defined(), fn, "recv_weights is given but topk_weights is missing");
@@ -121,7 +165,30 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
   check_all_on(fn, g.device,
                {{"x", &x}, {"x_scales", &x_scales}, {"topk_weights", &topk_weights}, {"recv_x", &recv_x},
                 {"recv_scales", &recv_scales}, {"recv_weights", &recv_weights}});
-  g.dispatch_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, stream);
+  if (!quantize_here) {
+    g.dispatch_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, stream);
+  } else if (g.fuses_quantize_dispatch()) {
+    g.dispatch_forward_quantize(h, recipe, quant_options.mx_rounding, x, topk_weights, recv_x, recv_scales,
+                                recv_weights, stream);
+  } else {
+    // Compose: quantize at the source into a temporary, then the quantized dispatch of it.
+    auto send = [&](const TensorRef& q, const TensorRef& s) {
+      g.dispatch_forward(h, q, s, topk_weights, recv_x, recv_scales, recv_weights, stream);
+    };
+    if (x.device().is_cuda()) {
+#ifdef EPX_HAVE_CUDA
+      cuda::with_quantized(recipe, x, quant_options.mx_rounding, stream, send);
+#else
+      throw Error(Status::kNotSupported, detail::concat(fn, ": x is on ", x.device().str(),
+                                                        " but this build has no CUDA backend"));
+#endif
+    } else {
+      Tensor q = Tensor::empty({T, H}, DType::kF8E4M3, x.device());
+      Tensor s = Tensor::empty(quant_scale_shape(recipe, T, H), quant_scale_dtype(recipe), x.device());
+      quantize(recipe, x, q, s, quant_options, stream);
+      send(q, s);
+    }
+  }
   h.dispatched = true;
 }
 

@@ -679,6 +679,161 @@ TEST(EpHostErrors, QuantizedDispatchArguments) {
                   "an fp8 row with its scales takes 264 bytes, more than the 256 bytes per row"));
 }
 
+// Quantize on the way: a high-precision x with fp8 recv_x and recv_scales (whose dtype picks the
+// recipe) gives exactly quantize() followed by the quantized dispatch, on every rank, for both
+// recipes, both MX roundings, every input dtype and alignment, with zero / huge / NaN / inf rows in
+// x. Every output starts from a different poison, so an unwritten byte cannot pass.
+TEST(EpHost, QuantizeOnTheWayEqualsQuantizeThenDispatch) {
+  struct Variant {
+    QuantRecipe recipe;
+    E8M0Rounding rounding;
+  };
+  const Variant variants[] = {{QuantRecipe::kFp8Block1x128, E8M0Rounding::kFloor},
+                              {QuantRecipe::kMxfp8Rowwise, E8M0Rounding::kFloor},
+                              {QuantRecipe::kMxfp8Rowwise, E8M0Rounding::kCeil}};
+  for (const Variant& v : variants)
+    for (DType dt : {DType::kBF16, DType::kF16, DType::kF32})
+      for (int align : {1, 32, 128}) {
+        SCOPED_TRACE(detail::concat(quant_recipe_name(v.recipe), v.rounding == E8M0Rounding::kCeil ? "/ceil" : "", " ",
+                                    dtype_name(dt), " align=", align));
+        const int R = 2, E = 8, K = 3, H = 256, T = 11;
+        GroupConfig cfg;
+        cfg.num_experts = E;
+        cfg.hidden = H;
+        cfg.max_tokens_per_rank = T;
+        cfg.max_topk = K;
+        cfg.align = align;
+        auto groups = Group::create_simulated(R, cfg);
+        const int64_t cap = groups[0].recv_capacity_rows();
+        const Shape rs = quant_scale_shape(v.recipe, cap, H);
+        const DType sdt = quant_scale_dtype(v.recipe);
+        QuantOptions opt;
+        opt.mx_rounding = v.rounding;
+        run_ranks(groups, [&](Group& g) {
+          const int r = g.rank();
+          std::mt19937 rng(70 + r);
+          Scenario sc_ids;
+          sc_ids.ranks = R;
+          sc_ids.experts = E;
+          sc_ids.topk = K;
+          sc_ids.pattern = r == 0 ? Pattern::kSkewed : Pattern::kMaskedHeavy;
+          std::vector<int64_t> ids = make_ids(sc_ids, r, T, rng);
+          Tensor idx = Tensor::empty({T, K}, DType::kI64);
+          std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+          Tensor w = random_vec(T * K, rng);
+          Tensor tw = Tensor::empty({T, K}, DType::kF32);
+          std::copy(w.ptr<float>(), w.ptr<float>() + T * K, tw.ptr<float>());
+          Tensor x = random_rows(T, H, dt, rng);
+          for (int64_t j = 0; j < H; ++j) {  // row 1 zeros, row 2 huge, row 3 NaN / inf sprinkled
+            store_from_double(x.data(), dt, 1 * H + j, 0.0);
+            store_from_double(x.data(), dt, 2 * H + j, (j % 2 ? -1.0 : 1.0) * (dt == DType::kF16 ? 60000.0 : 3e38));
+            if (j % 9 == 0) store_from_double(x.data(), dt, 3 * H + j, j % 2 ? NAN : INFINITY);
+          }
+          Tensor fused_q = Tensor::full({cap, H}, DType::kF8E4M3, 3.0), fused_s = Tensor::full(rs, sdt, 8.0);
+          Tensor fused_w = Tensor::full({cap}, DType::kF32, 5.0);
+          Handle a = prepare(g, idx, tw);
+          dispatch_forward(g, a, x, {}, tw, fused_q, fused_s, fused_w, {}, opt);
+
+          Tensor q = Tensor::empty({T, H}, DType::kF8E4M3), s = Tensor::empty(quant_scale_shape(v.recipe, T, H), sdt);
+          quantize(v.recipe, x, q, s, opt);
+          Tensor want_q = Tensor::full({cap, H}, DType::kF8E4M3, -2.0), want_s = Tensor::full(rs, sdt, 0.5);
+          Tensor want_w = Tensor::full({cap}, DType::kF32, -7.0);
+          Handle b = prepare(g, idx, tw);
+          dispatch_forward(g, b, q, s, tw, want_q, want_s, want_w);
+
+          const int64_t rows = b.num_recv_rows_host();
+          ASSERT_EQ(a.expert_offsets_host(), b.expert_offsets_host());
+          const int64_t S = rs[1], sbytes = S * static_cast<int64_t>(dtype_size(sdt));
+          for (int64_t row = 0; row < rows; ++row) {
+            ASSERT_TRUE(same_bytes(fused_q, row, want_q, row, H)) << "rank " << r << " codes of row " << row;
+            ASSERT_EQ(std::memcmp(static_cast<const char*>(fused_s.data()) + row * sbytes,
+                                  static_cast<const char*>(want_s.data()) + row * sbytes, sbytes),
+                      0)
+                << "rank " << r << " scales of row " << row;
+            ASSERT_EQ(fused_w.ptr<float>()[row], want_w.ptr<float>()[row]) << "rank " << r << " weight of row " << row;
+          }
+        });
+      }
+}
+
+TEST(EpHostErrors, QuantizeOnTheWayArguments) {
+  GroupConfig cfg = small_config();
+  cfg.hidden = 256;
+  auto groups = Group::create_simulated(1, cfg);
+  Group& g = groups[0];
+  const int64_t cap = g.recv_capacity_rows();
+  Tensor idx = Tensor::zeros({2, 1}, DType::kI32);
+  Tensor x = Tensor::zeros({2, 256}, DType::kBF16), rq = Tensor::zeros({cap, 256}, DType::kF8E4M3);
+  auto err = [&](const TensorRef& xx, const TensorRef& recv_x, const TensorRef& recv_s) {
+    Handle h = prepare(g, idx, {});
+    return error_of([&] { dispatch_forward(g, h, xx, {}, {}, recv_x, recv_s, {}); });
+  };
+  std::string e = err(x, rq, Tensor::zeros({cap, 3}, DType::kF32));
+  EXPECT_TRUE(has(e, detail::concat("epx::dispatch_forward: recv_scales has shape [", cap, ", 3], expected [>= ", cap,
+                                    ", 2] (one fp32 scale per 128 elements of a row of 256: the fp8_block_1x128 recipe)")))
+      << e;
+  e = err(x, rq, Tensor::zeros({cap, 2}, DType::kE8M0));
+  EXPECT_TRUE(has(e, detail::concat("recv_scales has shape [", cap, ", 2], expected [>= ", cap,
+                                    ", 8] (one e8m0 scale per 32 elements of a row of 256: the mxfp8_rowwise recipe)")))
+      << e;
+  e = err(x, rq, Tensor::zeros({cap, 2}, DType::kBF16));
+  EXPECT_TRUE(has(e, "recv_scales has dtype bf16, expected fp32 or e8m0")) << e;
+  e = err(x, rq, Tensor::zeros({cap - 1, 2}, DType::kF32));
+  EXPECT_TRUE(has(e, detail::concat("recv_scales has ", cap - 1, " rows, expected at least ", cap))) << e;
+  e = err(x, Tensor::zeros({cap, 256}, DType::kBF16), Tensor::zeros({cap, 2}, DType::kF32));
+  EXPECT_TRUE(has(e, "recv_x has dtype bf16, expected fp8_e4m3 (x is quantized on the way")) << e;
+  e = err(x, Tensor::zeros({cap - 1, 256}, DType::kF8E4M3), Tensor::zeros({cap, 2}, DType::kF32));
+  EXPECT_TRUE(has(e, detail::concat("recv_x has ", cap - 1, " rows, expected at least ", cap))) << e;
+  e = err(Tensor::zeros({2, 256}, DType::kF64), rq, Tensor::zeros({cap, 2}, DType::kF32));
+  EXPECT_TRUE(has(e, "x has dtype fp64, expected fp8_e4m3 with x_scales, or fp32, bf16 or fp16 to quantize on the way"))
+      << e;
+  {
+    Handle h = prepare(g, idx, {});
+    Tensor rs = Tensor::zeros({cap, 8}, DType::kE8M0);
+    QuantOptions bad;
+    bad.mx_rounding = static_cast<E8M0Rounding>(7);
+    e = error_of([&] { dispatch_forward(g, h, x, {}, {}, rq, rs, {}, {}, bad); });
+    EXPECT_TRUE(has(e, "quant_options.mx_rounding has value 7, expected kFloor (0) or kCeil (1)")) << e;
+  }
+  // H not a whole number of blocks: 96 columns are 3 MX blocks but not one 1x128 block.
+  GroupConfig c96 = small_config();
+  c96.hidden = 96;
+  auto g96 = Group::create_simulated(1, c96);
+  const int64_t cap96 = g96[0].recv_capacity_rows();
+  Tensor x96 = Tensor::zeros({2, 96}, DType::kBF16), rq96 = Tensor::zeros({cap96, 96}, DType::kF8E4M3);
+  {
+    Handle h = prepare(g96[0], idx, {});
+    e = error_of([&] { dispatch_forward(g96[0], h, x96, {}, {}, rq96, Tensor::zeros({cap96, 1}, DType::kF32), {}); });
+    EXPECT_TRUE(has(e, "x has 96 columns (hidden), expected a multiple of 128 to quantize on the way with the "
+                       "fp8_block_1x128 recipe that fp32 recv_scales select")) << e;
+  }
+  GroupConfig c48 = small_config();
+  c48.hidden = 48;
+  auto g48 = Group::create_simulated(1, c48);
+  const int64_t cap48 = g48[0].recv_capacity_rows();
+  {
+    Handle h = prepare(g48[0], idx, {});
+    e = error_of([&] {
+      dispatch_forward(g48[0], h, Tensor::zeros({2, 48}, DType::kF32), {}, {}, Tensor::zeros({cap48, 48}, DType::kF8E4M3),
+                       Tensor::zeros({cap48, 2}, DType::kE8M0), {});
+    });
+    EXPECT_TRUE(has(e, "x has 48 columns (hidden), expected a multiple of 32 to quantize on the way with the "
+                       "mxfp8_rowwise recipe that e8m0 recv_scales select")) << e;
+  }
+  // An fp8 x needs its scales; a high-precision x with scales is refused.
+  {
+    Handle h = prepare(g, idx, {});
+    e = error_of([&] { dispatch_forward(g, h, Tensor::zeros({2, 256}, DType::kF8E4M3), {}, {}, rq,
+                                        Tensor::zeros({cap, 2}, DType::kF32), {}); });
+    EXPECT_TRUE(has(e, "x_scales is missing")) << e;
+  }
+  // A failed call leaves the handle usable.
+  Handle h = prepare(g, idx, {});
+  error_of([&] { dispatch_forward(g, h, x, {}, {}, rq, Tensor::zeros({cap, 3}, DType::kF32), {}); });
+  Tensor rs = Tensor::zeros({cap, 2}, DType::kF32);
+  EXPECT_NO_THROW(dispatch_forward(g, h, x, {}, {}, rq, rs, {}));
+}
+
 TEST(EpHost, AllReduceSumsInRankOrder) {
   GroupConfig c = small_config();
   c.num_experts = 6;

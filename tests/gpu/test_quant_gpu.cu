@@ -446,6 +446,62 @@ TEST(QuantGpu, RunsOnAStreamAndUnderGraphCapture) {
   cudaStreamDestroy(stream);
 }
 
+// cuda::with_quantized (the temporary of the composed quantize-then-dispatch): the callback sees
+// exactly quantize()'s bits in stream-ordered memory, eagerly and under a graph capture (the
+// cudaMallocAsync / cudaFreeAsync pair becomes graph memory nodes; a cudaMalloc would break it).
+TEST(QuantGpu, StreamOrderedTemporaryMatchesQuantize) {
+  EPX_REQUIRE_GPU();
+  const int64_t M = 70, N = 1024;
+  const Tensor xh = host_matrix(M, N, special_values(M, N, 321), DType::kBF16);
+  const Tensor xd = to_gpu(xh);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (const auto& rm : recipe_modes()) {
+    const QuantRecipe r = rm.first;
+    const E8M0Rounding mode = rm.second;
+    const QOut want = cpu_quantize(r, xh, mode);
+    for (bool captured : {false, true}) {
+      const std::string what = label(r, mode, DType::kBF16, M, N) + (captured ? " (graph)" : " (eager)");
+      Tensor q = Tensor::empty({M, N}, DType::kF8E4M3, Device::cuda(0));
+      Tensor s = Tensor::empty(quant_scale_shape(r, M, N), quant_scale_dtype(r), Device::cuda(0));
+      detail::memset_bytes(q.data(), Device::cuda(0), 0xAB, q.nbytes());
+      detail::memset_bytes(s.data(), Device::cuda(0), 0xAB, s.nbytes());
+      auto run = [&] {
+        cuda::with_quantized(r, xd, mode, Stream{stream}, [&](const TensorRef& tq, const TensorRef& ts) {
+          ASSERT_EQ(tq.shape(), q.shape());
+          ASSERT_EQ(ts.shape(), s.shape());
+          ASSERT_EQ(ts.dtype(), s.dtype());
+          ASSERT_EQ(cudaMemcpyAsync(q.data(), tq.data(), q.nbytes(), cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+          ASSERT_EQ(cudaMemcpyAsync(s.data(), ts.data(), s.nbytes(), cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+        });
+      };
+      if (captured) {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+        run();
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      } else {
+        run();
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      }
+      EXPECT_TRUE(bit_equal(q, want.q)) << what;
+      EXPECT_TRUE(bit_equal(s, want.scales)) << what;
+    }
+  }
+  // An exception from the callback still gives the memory back (and propagates).
+  EXPECT_THROW(cuda::with_quantized(QuantRecipe::kFp8Block1x128, xd, E8M0Rounding::kFloor, Stream{stream},
+                                    [](const TensorRef&, const TensorRef&) { throw Error(Status::kInternal, "x"); }),
+               Error);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+}
+
 // ---- the fusable group helpers, used as a permute kernel would ------------------------------
 
 // One warp per row of bf16, 128 columns per step, each lane 4 consecutive elements: for FP8 the

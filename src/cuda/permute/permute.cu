@@ -1,5 +1,9 @@
-// Launchers of the one-GPU row movers (kernels: permute_kernels.cuh). Vector width: 16 bytes when
-// rows and base pointers allow it, else the element size.
+// Launchers of the one-GPU row movers (kernels: permute_kernels.cuh, permute_bulk.cuh).
+// Dispatch: the bulk kernel (shared-memory stages, bulk copies) wherever rows and pointers are
+// 16-byte aligned and two stages fit in shared memory, else the warp kernel with the widest vector
+// the rows and pointers allow; PermuteTuning or EPX_PERMUTE_KERNEL=warp|bulk (read once) choose.
+// Quantize-while-permuting: one kernel, bulk stores where the pointers allow. EPX_DEBUG=1 prints the
+// resolved choice of every launch.
 #include "cuda/permute/permute.h"
 
 #include <cuda_bf16.h>
@@ -7,12 +11,56 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/permute/permute_bulk.cuh"
 #include "cuda/permute/permute_kernels.cuh"
 
 namespace epx::cuda {
+
+const char* permute_kernel_name(PermuteKernel k) {
+  switch (k) {
+    case PermuteKernel::kAuto: return "auto";
+    case PermuteKernel::kWarp: return "warp";
+    case PermuteKernel::kBulk: return "bulk";
+  }
+  return "?";
+}
+
 namespace {
+
+bool debug_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EPX_DEBUG");
+    return v && *v && *v != '0';
+  }();
+  return on;
+}
+
+// EPX_PERMUTE_KERNEL, read once; an unknown value is reported once and ignored.
+PermuteKernel env_kernel() {
+  static const PermuteKernel k = [] {
+    const char* v = std::getenv("EPX_PERMUTE_KERNEL");
+    if (!v || !*v || !std::strcmp(v, "auto")) return PermuteKernel::kAuto;
+    if (!std::strcmp(v, "warp")) return PermuteKernel::kWarp;
+    if (!std::strcmp(v, "bulk")) return PermuteKernel::kBulk;
+    std::fprintf(stderr, "[epx] EPX_PERMUTE_KERNEL=%s ignored: expected warp, bulk or auto\n", v);
+    return PermuteKernel::kAuto;
+  }();
+  return k;
+}
+
+PermuteKernel wanted_kernel(const PermuteTuning& tuning) {
+  if (tuning.kernel != PermuteKernel::kAuto) return tuning.kernel;
+  const PermuteKernel e = env_kernel();
+  return e != PermuteKernel::kAuto ? e : PermuteKernel::kBulk;
+}
 
 permute::Layout layout_of(const HandleState& h) {
   permute::Layout L;
@@ -29,10 +77,69 @@ permute::Layout layout_of(const HandleState& h) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+/// Largest of 16, 8, 4, 2, 1 dividing the address and every extra extent given.
+int alignment_of(const void* p, int64_t a = 0, int64_t b = 0) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(p) | static_cast<uint64_t>(a) | static_cast<uint64_t>(b) | 16u;
+  return static_cast<int>(bits & (~bits + 1));
+}
+
+int64_t round_up16(int64_t v) { return (v + 15) / 16 * 16; }
+
 int grid_for(int64_t items) {
   const int64_t per_block = permute::kWarps;
   const int64_t want = (items + per_block - 1) / per_block;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(sm_count()) * 16)));
+}
+
+int current_device() {
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+/// Largest dynamic shared memory one CTA may opt in to on the current device.
+int smem_optin_limit() {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  int v = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return cache[dev] = v;
+}
+
+/// Opts `kernel` in to `smem` bytes of dynamic shared memory on the current device where that is
+/// above the default 48 KB, and returns how many CTAs of `threads` threads fit on one SM (once per
+/// kernel, device, block size and shared memory size).
+int resident_ctas(const void* kernel, int threads, size_t smem, const char* name) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;
+  const int dev = current_device();
+  std::lock_guard<std::mutex> lk(mu);
+  const auto key = std::make_tuple(kernel, dev, threads, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (smem > 48 * 1024)
+    EPX_CUDA_CHECK_IMPL(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                        name);
+  int blocks = 0;
+  EPX_CUDA_CHECK_IMPL(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem), name);
+  return cache[key] = blocks;
+}
+
+int prepare_bulk_launch(const void* kernel, size_t smem, const char* name) { return resident_ctas(kernel, 32, smem, name); }
+
+/// Dynamic shared memory a two-stage bulk kernel may use: the opt-in limit less room for the
+/// kernels' static shared memory.
+int64_t bulk_smem_budget() { return static_cast<int64_t>(smem_optin_limit()) - 1024; }
+
+/// CTAs of a one-warp-per-CTA kernel: every resident CTA, no more than there are work items.
+int bulk_grid(int64_t items, int blocks_per_sm, const PermuteTuning& tuning) {
+  int64_t n = std::min<int64_t>(std::max<int64_t>(items, 1), static_cast<int64_t>(sm_count()) * blocks_per_sm);
+  if (tuning.max_ctas > 0) n = std::min<int64_t>(n, tuning.max_ctas);
+  return static_cast<int>(std::max<int64_t>(n, 1));
 }
 
 template <class F>
@@ -52,11 +159,13 @@ void check_topk(const HandleState& h, const char* fn) {
                  "; the CUDA kernels support up to ", kPermuteMaxTopk);
 }
 
+int pad_chunks_for(int align) { return align > 1 ? (align - 1 + permute::kPadRows - 1) / permute::kPadRows : 0; }
+
 }  // namespace
 
 void permute_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales, const TensorRef& topk_weights,
                      const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
-                     int64_t recv_capacity_rows, Stream stream) {
+                     int64_t recv_capacity_rows, int align, Stream stream, const PermuteTuning& tuning) {
   check_topk(h, "epx::dispatch_forward");
   permute::PermuteArgs a;
   a.L = layout_of(h);
@@ -69,17 +178,150 @@ void permute_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scal
   a.recv = static_cast<char*>(recv_x.data());
   a.recv_scales = recv_scales.defined() ? static_cast<char*>(recv_scales.data()) : nullptr;
   a.recv_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
-  const int grid = grid_for(static_cast<int64_t>(h.num_tokens) + h.local_experts);
+  a.pad_chunks = pad_chunks_for(align);
+  const int64_t items = static_cast<int64_t>(h.num_tokens) + static_cast<int64_t>(h.local_experts) * a.pad_chunks;
   cudaStream_t s = to_cuda(stream);
-  if (a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv)) {
-    permute::permute_kernel<uint4><<<grid, permute::kThreads, 0, s>>>(a);
-  } else if (a.row_bytes % 4 == 0 && (reinterpret_cast<uintptr_t>(a.x) & 3) == 0 &&
-             (reinterpret_cast<uintptr_t>(a.recv) & 3) == 0) {
-    permute::permute_kernel<uint32_t><<<grid, permute::kThreads, 0, s>>>(a);
-  } else {
-    permute::permute_kernel<uint8_t><<<grid, permute::kThreads, 0, s>>>(a);
+
+  // Bulk: 16-byte rows and pointers, two stages in shared memory.
+  const bool bulk_scales = a.scale_bytes > 0 && a.scale_bytes % 16 == 0 && aligned16(a.x_scales) &&
+                           aligned16(a.recv_scales);
+  const int64_t scale_off = round_up16(a.row_bytes);
+  const int64_t stage = scale_off + (bulk_scales ? round_up16(a.scale_bytes) : 0);
+  const bool bulk_ok = a.row_bytes > 0 && a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv) &&
+                       2 * stage <= bulk_smem_budget();
+  if (wanted_kernel(tuning) == PermuteKernel::kBulk && bulk_ok) {
+    permute::BulkArgs b;
+    b.p = a;
+    b.stage_bytes = static_cast<uint32_t>(stage);
+    b.scale_off = static_cast<uint32_t>(scale_off);
+    b.bulk_scales = bulk_scales;
+    const size_t smem = static_cast<size_t>(2 * stage);
+    const void* k = reinterpret_cast<const void*>(&permute::permute_bulk_kernel);
+    const int per_sm = prepare_bulk_launch(k, smem, "permute_bulk_kernel");
+    if (per_sm > 0) {
+      const int grid = bulk_grid(items, per_sm, tuning);
+      if (debug_enabled())
+        std::fprintf(stderr, "[epx] dispatch_forward (one GPU): kernel=bulk ctas=%d (%d per SM) stage=%lld bytes "
+                     "row=%lld scales=%lld (%s)\n", grid, per_sm, static_cast<long long>(stage),
+                     static_cast<long long>(a.row_bytes), static_cast<long long>(a.scale_bytes),
+                     bulk_scales ? "bulk" : "lanes");
+      permute::permute_bulk_kernel<<<grid, 32, smem, s>>>(b);
+      EPX_CHECK_LAUNCH("permute_bulk_kernel");
+      return;
+    }
   }
+  // Warp kernel: one wave of resident CTAs at most (a second, partial wave would run its tokens
+  // after every other warp has finished, at a fraction of the bandwidth).
+  const int vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv)                ? 16
+                  : a.row_bytes % 4 == 0 && (reinterpret_cast<uintptr_t>(a.x) & 3) == 0 &&
+                            (reinterpret_cast<uintptr_t>(a.recv) & 3) == 0                      ? 4
+                                                                                                  : 1;
+  const void* k = vec == 16  ? reinterpret_cast<const void*>(&permute::permute_kernel<uint4>)
+                  : vec == 4 ? reinterpret_cast<const void*>(&permute::permute_kernel<uint32_t>)
+                             : reinterpret_cast<const void*>(&permute::permute_kernel<uint8_t>);
+  const int per_sm = std::max(1, resident_ctas(k, permute::kThreads, 0, "permute_kernel"));
+  int64_t grid = std::min<int64_t>((std::max<int64_t>(items, 1) + permute::kWarps - 1) / permute::kWarps,
+                                   static_cast<int64_t>(sm_count()) * per_sm);
+  if (tuning.max_ctas > 0) grid = std::min<int64_t>(grid, tuning.max_ctas);
+  if (vec == 16) permute::permute_kernel<uint4><<<static_cast<int>(grid), permute::kThreads, 0, s>>>(a);
+  else if (vec == 4) permute::permute_kernel<uint32_t><<<static_cast<int>(grid), permute::kThreads, 0, s>>>(a);
+  else permute::permute_kernel<uint8_t><<<static_cast<int>(grid), permute::kThreads, 0, s>>>(a);
   EPX_CHECK_LAUNCH("permute_kernel");
+  if (debug_enabled())
+    std::fprintf(stderr, "[epx] dispatch_forward (one GPU): kernel=warp ctas=%lld (%d per SM) x %d warps vector=%d "
+                 "bytes row=%lld scales=%lld\n", static_cast<long long>(grid), per_sm, permute::kWarps, vec,
+                 static_cast<long long>(a.row_bytes), static_cast<long long>(a.scale_bytes));
+}
+
+namespace {
+
+template <class T, bool kMx>
+void launch_quantize_typed(const permute::QuantPermuteArgs& q, bool aligned_x, int64_t items,
+                           const PermuteTuning& tuning, cudaStream_t s) {
+  const size_t smem = 2 * static_cast<size_t>(q.stage_bytes);
+  const void* k = aligned_x ? reinterpret_cast<const void*>(&permute::permute_quantize_kernel<T, kMx, true>)
+                            : reinterpret_cast<const void*>(&permute::permute_quantize_kernel<T, kMx, false>);
+  const int per_sm = prepare_bulk_launch(k, smem, "permute_quantize_kernel");
+  require_status(per_sm > 0, Status::kNotSupported, "epx::dispatch_forward",
+                 "the fused quantize-dispatch kernel needs ", smem, " bytes of shared memory, more than an SM has");
+  const int grid = bulk_grid(items, per_sm, tuning);
+  if (debug_enabled())
+    std::fprintf(stderr, "[epx] dispatch_forward (one GPU, quantize on the way): %s ctas=%d (%d per SM) stage=%u "
+                 "bytes payload=%s scales=%s x16=%d\n", kMx ? "mxfp8_rowwise" : "fp8_block_1x128", grid, per_sm,
+                 q.stage_bytes, q.payload_align ? "lanes" : "bulk", q.scale_align ? "lanes" : "bulk",
+                 aligned_x ? 1 : 0);
+  if (aligned_x) permute::permute_quantize_kernel<T, kMx, true><<<grid, 32, smem, s>>>(q);
+  else permute::permute_quantize_kernel<T, kMx, false><<<grid, 32, smem, s>>>(q);
+  EPX_CHECK_LAUNCH("permute_quantize_kernel");
+}
+
+}  // namespace
+
+void permute_quantize_forward(HandleState& h, QuantRecipe recipe, E8M0Rounding mx_rounding, const TensorRef& x,
+                              const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
+                              const TensorRef& recv_weights, int64_t recv_capacity_rows, int align, Stream stream,
+                              const PermuteTuning& tuning) {
+  const char* fn = "epx::dispatch_forward";
+  check_topk(h, fn);
+  const bool mx = recipe == QuantRecipe::kMxfp8Rowwise;
+  require_status(mx || recipe == QuantRecipe::kFp8Block1x128, Status::kNotSupported, fn, "recipe ",
+                 quant_recipe_name(recipe), " cannot be quantized on the way; expected fp8_block_1x128 or mxfp8_rowwise");
+  const int64_t H = x.size(1), block = mx ? 32 : 128;
+  require(H % block == 0, fn, "x has ", H, " columns (hidden), expected a multiple of ", block);
+  const size_t es = dtype_size(x.dtype());
+  require(reinterpret_cast<uintptr_t>(x.data()) % es == 0, fn, "x at address ", x.data(), " is not aligned to its ",
+          es, "-byte elements, expected an element-aligned pointer");
+  permute::QuantPermuteArgs q;
+  permute::PermuteArgs& a = q.p;
+  a.L = layout_of(h);
+  a.capacity = recv_capacity_rows;
+  a.x = static_cast<const char*>(x.data());
+  a.row_bytes = H * static_cast<int64_t>(es);
+  a.x_scales = nullptr;
+  a.scale_bytes = (H / block) * static_cast<int64_t>(dtype_size(recv_scales.dtype()));
+  a.topk_weights = topk_weights.defined() ? topk_weights.ptr<float>() : nullptr;
+  a.recv = static_cast<char*>(recv_x.data());
+  a.recv_scales = static_cast<char*>(recv_scales.data());
+  a.recv_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
+  a.pad_chunks = pad_chunks_for(align);
+  q.H = H;
+  q.ceil_rounding = mx_rounding == E8M0Rounding::kCeil;
+  const bool bulk = wanted_kernel(tuning) == PermuteKernel::kBulk;
+  // Rows of recv_x are H bytes (a multiple of 32) apart, so every row has the base's alignment.
+  q.payload_align = bulk && aligned16(a.recv) ? 0 : alignment_of(a.recv, H);
+  q.scale_align = q.payload_align == 0 && a.scale_bytes % 16 == 0 && aligned16(a.recv_scales)
+                      ? 0
+                      : alignment_of(a.recv_scales, a.scale_bytes);
+  const int64_t stage = round_up16(H + a.scale_bytes);
+  require_status(2 * stage <= bulk_smem_budget(), Status::kNotSupported, fn, "hidden ", H,
+                 " needs two shared-memory stages of ", stage, " bytes, more than the device allows (",
+                 bulk_smem_budget(), " bytes)");
+  q.stage_bytes = static_cast<uint32_t>(stage);
+  const int64_t items = static_cast<int64_t>(h.num_tokens) + static_cast<int64_t>(h.local_experts) * a.pad_chunks;
+  const bool aligned_x = aligned16(a.x);  // rows are H * es bytes apart, a multiple of 16
+  cudaStream_t s = to_cuda(stream);
+  switch (x.dtype()) {
+    case DType::kF32:
+      if (mx) launch_quantize_typed<float, true>(q, aligned_x, items, tuning, s);
+      else launch_quantize_typed<float, false>(q, aligned_x, items, tuning, s);
+      return;
+    case DType::kBF16:
+      if (mx) launch_quantize_typed<__nv_bfloat16, true>(q, aligned_x, items, tuning, s);
+      else launch_quantize_typed<__nv_bfloat16, false>(q, aligned_x, items, tuning, s);
+      return;
+    case DType::kF16:
+      if (mx) launch_quantize_typed<__half, true>(q, aligned_x, items, tuning, s);
+      else launch_quantize_typed<__half, false>(q, aligned_x, items, tuning, s);
+      return;
+    default: break;
+  }
+  throw Error(Status::kInvalidArgument,
+              detail::concat(fn, ": x has dtype ", dtype_name(x.dtype()), ", expected fp32, bf16 or fp16"));
+}
+
+bool permute_quantize_fits(int64_t hidden) {
+  // The widest scale row: MX, one byte per 32 elements; 1x128 fp32 scales take H / 32 bytes too.
+  return 2 * round_up16(hidden + hidden / 32) <= bulk_smem_budget();
 }
 
 namespace {

@@ -224,4 +224,30 @@ void dequantize(QuantRecipe recipe, const TensorRef& q, const TensorRef& scales,
               detail::concat(fn, ": x_out has dtype ", dtype_name(x_out.dtype()), ", expected fp32, bf16 or fp16"));
 }
 
+void with_quantized(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_rounding, Stream stream,
+                    const std::function<void(const TensorRef& q, const TensorRef& scales)>& use) {
+  const int64_t M = x.size(0), N = x.size(1);
+  const Shape ss = quant_scale_shape(recipe, M, N);
+  const DType sdt = quant_scale_dtype(recipe);
+  const size_t q_bytes = static_cast<size_t>(M) * static_cast<size_t>(N);
+  const size_t s_off = (q_bytes + 255) / 256 * 256;  // scales 256-byte aligned after the codes
+  const size_t bytes = s_off + static_cast<size_t>(ss.numel()) * dtype_size(sdt);
+  DeviceGuard guard(x.device().index);
+  const cudaStream_t s = to_cuda(stream);
+  void* base = nullptr;
+  if (bytes > 0) EPX_CUDA_CHECK(cudaMallocAsync(&base, bytes, s));
+  struct Release {
+    void* p;
+    cudaStream_t s;
+    ~Release() {
+      if (p) cudaFreeAsync(p, s);
+    }
+  } release{base, s};
+  char* b = static_cast<char*>(base);
+  const TensorRef q(b, DType::kF8E4M3, Shape{M, N}, x.device());
+  const TensorRef sc(b ? b + s_off : nullptr, sdt, ss, x.device());
+  quantize(recipe, x, q, sc, mx_rounding, stream);
+  use(q, sc);
+}
+
 }  // namespace epx::cuda

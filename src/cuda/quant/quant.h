@@ -8,6 +8,8 @@
 // host; M == 0 or N == 0 launches nothing. CUDA errors throw epx::Error (kCudaError).
 #pragma once
 
+#include <functional>
+
 #include "epx/quant.h"
 #include "epx/tensor.h"
 
@@ -33,5 +35,13 @@ void quantize(QuantRecipe recipe, const TensorRef& x, const TensorRef& q, const 
 /// q [M, N] e4m3 and its scales -> x_out [M, N] fp32/bf16/fp16.
 void dequantize(QuantRecipe recipe, const TensorRef& q, const TensorRef& scales, const TensorRef& x_out,
                 Stream stream, const QuantTuning& tuning = {});
+
+/// Quantizes x [M, N] (a row recipe or any other) into a temporary taken from the device's
+/// stream-ordered pool (cudaMallocAsync on `stream`), calls use(q, scales), which must queue every
+/// reader of the temporary on `stream`, and gives the memory back in stream order (cudaFreeAsync),
+/// also when use throws. No host synchronisation and no device-wide allocation: safe inside a CUDA
+/// graph capture and while peers' collectives are in flight.
+void with_quantized(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_rounding, Stream stream,
+                    const std::function<void(const TensorRef& q, const TensorRef& scales)>& use);
 
 }  // namespace epx::cuda
