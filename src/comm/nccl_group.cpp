@@ -258,6 +258,16 @@ Choice choose(Transport requested, const RankResources& r) {
     c.transport = Transport::kStaged;
     return c;
   }
+  // A one-rank communicator has no symmetric-memory runtime behind its windows (their peer
+  // pointers are not valid on the device), and nothing to send: the staged path only copies locally.
+  if (r.size == 1) {
+    if (requested == Transport::kZeroCopy)
+      c.error = "a one-rank group has no peers to reach by load/store; use Transport::kStaged or kAuto (or "
+                "Group::create_local, which needs no NCCL at all)";
+    else
+      c.transport = Transport::kStaged;
+    return c;
+  }
   const int lsa = lsa_team_size(r.comm);
   if (lsa == r.size) {
     c.transport = Transport::kZeroCopy;

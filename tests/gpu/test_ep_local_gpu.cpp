@@ -784,21 +784,17 @@ TEST(EpLocalGpuQuantize, KernelVariantsAndMisalignedBuffers) {
     }
 }
 
-// The composed path of a backend without the fused kernel, on the GPU: a one-rank NCCL zero-copy
-// group quantizes into a stream-ordered temporary and sends that. Skips where NCCL cannot build a
-// one-rank group on this machine.
+// The composed path of a backend without the fused kernel, on the GPU: a one-rank NCCL group (the
+// staged transport: a one-rank communicator has no symmetric-memory peers) quantizes into a
+// stream-ordered temporary and sends that.
 TEST(EpLocalGpuQuantize, ComposedOnOneRankNcclGroupMatchesReference) {
   EPX_REQUIRE_GPU();
   Case c;
   c.H = 512;
   c.align = 32;
   c.zipf = 2;
-  std::vector<Group> nccl;
-  try {
-    nccl = Group::create_all_local(config_of(c), {0});
-  } catch (const Error& e) {
-    GTEST_SKIP() << "no one-rank NCCL group here: " << e.what();
-  }
+  std::vector<Group> nccl = Group::create_all_local(config_of(c), {0});
+  ASSERT_EQ(nccl[0].transport(), Transport::kStaged);
   ASSERT_FALSE(nccl[0].state().fuses_quantize_dispatch());
   auto host = Group::create_simulated(1, config_of(c));
   const Inputs in = make_inputs(c, 0);
