@@ -10,6 +10,16 @@
 // "us" times a CUDA graph of one call per rotated input (launch gaps removed), "us_stream" the
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
+// route_forward is timed with each kernel ("kernel": "fast" = the default, two tokens per warp
+// where the shape allows; "fast1" = the fast kernel with one token per warp; "legacy" = the
+// earlier kernel, EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
+//
+// Prediction for the fast kernels (written before any run, from SASS instruction counts of the
+// hot path, no GPU where this was written): ~400 warp instructions per token for softmax top-8
+// with statistics and ~430 for DeepSeek-V3 with two tokens per warp (~520 / ~600 with one), against
+// ~800+ for the legacy kernel; issue-bound at 132 SMs x 4 schedulers that is ~6-7 us plus ~1 us of
+// launch and tail, so ~8-10 us for both targets (legacy measured 31.4 / 50.8 us).
+//
 // Prediction written before any run (no GPU where this was written). Floor: 16.8 MB of fp32
 // logits + 1 MB of outputs at ~4.3 TB/s = ~4.2 us. The kernel is issue-bound, not memory-bound:
 // ~400 warp instructions per token for softmax top-8 and ~550 for the DeepSeek-V3 router with its
@@ -27,6 +37,7 @@
 
 #include "bench_util.h"
 #include "core/device_memory.h"
+#include "cuda/router/router.h"
 #include "epx/error.h"
 #include "epx/router.h"
 #include "epx/tensor.h"
@@ -120,10 +131,11 @@ Timing time_rotated(int nrot, const std::function<void(int, Stream)>& fn) {
   return {g, st};
 }
 
-void report(const char* op, const Case& k, const Timing& tm, double bytes, double hbm) {
+void report(const char* op, const Case& k, const Timing& tm, double bytes, double hbm, const char* kernel = nullptr) {
   const double gbps = bytes / (tm.graph_us * 1e-6) / 1e9;
   epx::bench::JsonLine j;
   j.add("bench", "router").add("op", op).add("case", k.name).add("score", epx::score_function_name(k.f));
+  if (kernel != nullptr) j.add("kernel", kernel);
   j.add("dtype", epx::dtype_name(k.dt)).add("T", static_cast<long long>(k.T)).add("E", k.E).add("K", k.K);
   j.add("groups", k.G).add("group_topk", k.gk).add("bias", k.bias).add("normalize", k.normalize);
   j.add("scale", static_cast<double>(k.scale)).add("stats", stats_name(k.stats));
@@ -160,7 +172,8 @@ Inputs make_inputs(const Case& k, uint64_t seed) {
   return in;
 }
 
-void bench_forward(const Case& k, double hbm) {
+void bench_forward(const Case& k, double hbm, epx::cuda::RouterKernel kernel) {
+  epx::cuda::set_router_kernel(kernel);
   Inputs in = make_inputs(k, 17);
   const int nrot = static_cast<int>(in.logits.size());
   const Timing tm = time_rotated(nrot, [&](int i, Stream s) {
@@ -169,7 +182,7 @@ void bench_forward(const Case& k, double hbm) {
   const double elem = static_cast<double>(epx::dtype_size(k.dt));
   double bytes = k.T * (k.E * elem + k.K * 8.0);
   if (k.stats) bytes += in.prob.nbytes() + in.scal.nbytes();
-  report("route_forward", k, tm, bytes, hbm);
+  report("route_forward", k, tm, bytes, hbm, epx::cuda::router_kernel_name(kernel));
 }
 
 void bench_backward(const Case& k, double hbm) {
@@ -209,8 +222,10 @@ int main() {
     cudaDeviceProp prop{};
     EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     const double hbm = epx::bench::measure_hbm_bytes_per_s();
+    const epx::cuda::RouterKernel initial = epx::cuda::router_kernel_in_use();
     epx::bench::JsonLine().add("bench", "router").add("device", prop.name).add("sms", prop.multiProcessorCount)
-        .add("l2_bytes", prop.l2CacheSize).add("hbm_gbps", hbm / 1e9).print();
+        .add("l2_bytes", prop.l2CacheSize).add("hbm_gbps", hbm / 1e9)
+        .add("default_kernel", epx::cuda::router_kernel_name(initial)).print();
 
     Case softmax;
     softmax.name = "softmax_top8";
@@ -265,7 +280,11 @@ int main() {
       dec.target_us = 0;
       fwd.push_back(dec);
     }
-    for (const Case& k : fwd) bench_forward(k, hbm);
+    for (const Case& k : fwd)
+      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
+                                           epx::cuda::RouterKernel::kLegacy})
+        bench_forward(k, hbm, kern);
+    epx::cuda::set_router_kernel(initial);
 
     for (const Case& base : {softmax, ds})
       for (DType dt : {DType::kF32, DType::kBF16}) {

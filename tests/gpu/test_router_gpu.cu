@@ -460,6 +460,118 @@ TEST(RouterGpuForward, DeterministicRunToRun) {
   }
 }
 
+// The fast kernels (two tokens per warp where the shape allows, and one token per warp) against the
+// legacy kernel: the same expressions in the same order, so topk_idx and topk_weights must agree
+// bit for bit on ANY input -- no separation needed -- while prob_sum and scalars[0] differ only in
+// rounding (fixed-point accumulation, another summation tree). Rows are drawn to reach every path:
+// ordinary, wide (sigmoid's direct path), very negative (the exact reciprocal), all far below zero,
+// ties and non-finite values (the exact top-k), fully masked.
+std::vector<double> mixed_rows(const RouterConfig& c, int64_t T, DType dt, uint64_t seed) {
+  const int E = c.num_experts;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> unif(0.0, 1.0);
+  std::uniform_int_distribution<int> small(0, 3);
+  std::vector<double> v(static_cast<size_t>(T) * E);
+  for (int64_t t = 0; t < T; ++t) {
+    const int kind = static_cast<int>(t % 9);
+    for (int e = 0; e < E; ++e) {
+      double x = 2.0 * normal(rng);
+      switch (kind) {
+        case 1: x = 12.0 * normal(rng); break;                      // range > 16: direct sigmoid
+        case 2: x = -100.0 + 3.0 * normal(rng); break;               // exact reciprocal paths
+        case 3: x = e % 5 == 0 ? -95.0 + normal(rng) : 40.0 * normal(rng); break;
+        case 4: x = small(rng); break;                               // exact ties
+        case 5: { const int r = small(rng) + 4 * (e % 7 == 0); x = r == 4 ? kInf : r == 5 ? -kInf : r == 6 ? kNaN : r; } break;
+        case 6: x = unif(rng) < 0.5 ? kNaN : x; break;
+        case 7: x = t % 18 == 7 ? kNaN : x; break;                   // some rows fully masked
+        default: break;
+      }
+      v[static_cast<size_t>(t) * E + e] = round_to_dtype(x, dt);
+    }
+  }
+  return v;
+}
+
+TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
+  EPX_REQUIRE_GPU();
+  std::vector<Case> cases = forward_cases();
+  using SF = ScoreFunction;
+  cases.push_back({make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32});
+  cases.push_back({make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f), DType::kBF16, DType::kI32});
+  cases.push_back({make_config(256, 15, SF::kSigmoid, 8, 4, true, true, 2.5f), DType::kF32, DType::kI32});
+  cases.push_back({make_config(128, 8, SF::kSoftmaxAfterTopk, 16, 4, true, true), DType::kF32, DType::kI64});
+  uint64_t seed = 7000;
+  for (const Case& k : cases)
+    for (int stats : {1, 2, 0}) {
+      RouterConfig c = k.c;
+      const int64_t T = stats == 2 ? 1200 : 517;
+      if (stats == 2) {
+        c.aux_loss = AuxLossType::kSequence;
+        c.seq_len = 300;  // several chunks per sequence
+      }
+      if (stats == 0) {
+        c.aux_loss = AuxLossType::kNone;
+        c.z_loss_coeff = 0;
+      }
+      std::vector<double> bias;
+      if (c.use_expert_bias) {
+        bias = random_bias(c.num_experts, seed + 1, 0.05);
+        bias[seed % c.num_experts] = kInf;
+        if (c.num_experts > 2) bias[(seed + 1) % c.num_experts] = kNaN;
+      }
+      const Tensor b = c.use_expert_bias ? host_tensor({c.num_experts}, DType::kF32, bias) : Tensor();
+      const Tensor logits = host_tensor({T, c.num_experts}, k.dt, mixed_rows(c, T, k.dt, seed++));
+      const std::string what = describe(c, k.dt, k.idx_dt, T);
+      auto run = [&](cuda::RouterKernel kern) {
+        cuda::set_router_kernel(kern);
+        Routed r = stats == 0 ? Routed{} : forward_on(Device::cuda(0), c, logits, b, k.idx_dt);
+        if (stats == 0) {
+          r.idx = to_gpu(Tensor::full({T, c.topk}, k.idx_dt, kPoisons[0]));
+          r.w = to_gpu(Tensor::full({T, c.topk}, DType::kF32, kPoisons[0]));
+          route_forward(c, to_gpu(logits), on(Device::cuda(0), b), r.idx, r.w, RouterStats{});
+        }
+        return r;
+      };
+      const Routed legacy = run(cuda::RouterKernel::kLegacy);
+      for (cuda::RouterKernel kern : {cuda::RouterKernel::kFast, cuda::RouterKernel::kFastOneTokenPerWarp}) {
+        const Routed fast = run(kern);
+        const std::string w = what + " kernel " + cuda::router_kernel_name(kern) + " stats " + std::to_string(stats);
+        EXPECT_TRUE(bit_equal(fast.idx, legacy.idx)) << w << ": topk_idx";
+        EXPECT_TRUE(bit_equal(fast.w, legacy.w)) << w << ": topk_weights";
+        if (stats == 0) continue;
+        EXPECT_TRUE(bit_equal(fast.counts, legacy.counts)) << w << ": counts";
+        EXPECT_TRUE(all_close(fast.prob, legacy.prob, 1e-5, 1e-5)) << w << ": prob_sum";
+        const std::vector<double> fs = values(fast.scal), ls = values(legacy.scal);
+        EXPECT_EQ(fs[1], ls[1]) << w << ": scalars[1] (valid tokens)";
+        EXPECT_TRUE(fs[0] == ls[0] || std::fabs(fs[0] - ls[0]) <= 1e-5 * std::fabs(ls[0]) + 1e-6)
+            << w << ": scalars[0] got " << fs[0] << ", legacy " << ls[0];
+      }
+    }
+  cuda::set_router_kernel(cuda::RouterKernel::kFast);
+}
+
+// The default kernel's statistics at the benchmark shape, run to run and across the two fast
+// variants' shared reduction (fixed point, so the order in which chunks finish cannot matter).
+TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
+  EPX_REQUIRE_GPU();
+  for (cuda::RouterKernel kern : {cuda::RouterKernel::kFast, cuda::RouterKernel::kFastOneTokenPerWarp}) {
+    cuda::set_router_kernel(kern);
+    for (AuxLossType aux : {AuxLossType::kGlobalBatch, AuxLossType::kSequence}) {
+      RouterConfig c = make_config(256, 8, ScoreFunction::kSoftmax);
+      c.aux_loss = aux;
+      c.seq_len = 4096;
+      const int64_t T = 32768;
+      const Tensor logits = host_tensor({T, 256}, DType::kBF16, mixed_rows(c, T, DType::kBF16, 99));
+      const Routed first = forward_on(Device::cuda(0), c, logits, Tensor(), DType::kI32, kPoisons[0]);
+      for (int run = 0; run < 3; ++run)
+        expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, Tensor(), DType::kI32, kPoisons[run % 2]), first,
+                             std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
+    }
+  }
+  cuda::set_router_kernel(cuda::RouterKernel::kFast);
+}
+
 // Without statistics tensors (no loss configured) only the routing is written.
 TEST(RouterGpuForward, WithoutStatistics) {
   EPX_REQUIRE_GPU();

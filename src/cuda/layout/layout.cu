@@ -1,7 +1,17 @@
 // Launchers of the device-side prepare (kernels and their invariants: layout_kernels.cuh).
+//
+// Default: one launch of layout_kernel (two for drop by probability, around the ranking kernels).
+// EPX_LAYOUT_KERNEL=legacy (read once) selects the earlier three-launch path, kept so that a GPU
+// run can compare the two; both give the same bits.
 #include "cuda/layout/layout.h"
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/layout/layout_kernels.cuh"
@@ -24,7 +34,7 @@ struct Carve {
 struct HandleLayout {
   size_t routed, pair_pos, token_slot, send_tokens, counts, recv_pairs, recv_tokens, expert_rows, expert_offsets,
       recv_row, status;
-  size_t local_rank, block_hist, block_tok, masked_ids, pair_list, segment_starts;
+  size_t local_rank, block_hist, block_tok, masked_ids, pair_list, segment_starts, block_bad, sync;
   size_t total;
 };
 
@@ -50,6 +60,8 @@ HandleLayout handle_layout(int max_tokens, int max_topk, int E, int R) {
   L.masked_ids = c.take<int32_t>(TK);
   L.pair_list = c.take<int32_t>(TK);
   L.segment_starts = c.take<int32_t>(static_cast<size_t>(Le) * R);
+  L.block_bad = c.take<int32_t>(layout::kMaxLayoutBlocks);
+  L.sync = c.take<unsigned long long>(1 + 2 * static_cast<size_t>(layout::kMaxLayoutBlocks));
   L.total = (c.offset + 255) / 256 * 256;
   return L;
 }
@@ -67,6 +79,34 @@ int chunk_for(int T) {
   return std::max(32, (per + 31) / 32 * 32);
 }
 
+std::atomic<int> g_kernel{-1};  // -1: not resolved yet, else a LayoutKernel
+
+LayoutKernel resolve_kernel() {
+  int k = g_kernel.load(std::memory_order_relaxed);
+  if (k < 0) {
+    const char* v = std::getenv("EPX_LAYOUT_KERNEL");
+    int want = static_cast<int>(LayoutKernel::kFused);
+    if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(LayoutKernel::kLegacy);
+    int expected = -1;
+    g_kernel.compare_exchange_strong(expected, want);
+    k = g_kernel.load(std::memory_order_relaxed);
+    if (const char* dbg = std::getenv("EPX_DEBUG"); dbg != nullptr && std::strcmp(dbg, "0") != 0)
+      std::fprintf(stderr, "epx: prepare layout kernel: %s\n", k == static_cast<int>(LayoutKernel::kLegacy) ? "legacy" : "fused");
+  }
+  return static_cast<LayoutKernel>(k);
+}
+
+void run_fused(layout::Params p, int pass, cudaStream_t stream) {
+  p.pass = pass;
+  const int blocks = std::max(1, (p.T + p.chunk - 1) / p.chunk);
+  const size_t smem = layout::layout_smem_bytes(p.E, p.R, p.chunk);
+  if (smem > 48 * 1024)
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(layout::layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  layout::layout_kernel<<<blocks, layout::kThreads, smem, stream>>>(p);
+  EPX_CHECK_LAUNCH("layout_kernel");
+}
+
 void run_passes(layout::Params p, bool finalize_tokens, cudaStream_t stream) {
   const int blocks = std::max(1, (p.T + p.chunk - 1) / p.chunk);
   const size_t smem1 = static_cast<size_t>(p.E) * (layout::kWarps + 1) * sizeof(int32_t);
@@ -81,6 +121,10 @@ void run_passes(layout::Params p, bool finalize_tokens, cudaStream_t stream) {
 }
 
 }  // namespace
+
+void set_layout_kernel(LayoutKernel k) { g_kernel.store(static_cast<int>(k), std::memory_order_relaxed); }
+
+LayoutKernel layout_kernel_in_use() { return resolve_kernel(); }
 
 int32_t* handle_segment_starts(const HandleState& h) { return at<int32_t>(h.scratch, layout_of(h).segment_starts); }
 
@@ -120,8 +164,11 @@ void prepare_send_side(HandleState& h, const TensorRef& topk_idx, const TensorRe
   const HandleLayout L = layout_of(h);
   void* base = h.scratch;
   int32_t* status = at<int32_t>(base, L.status);
-  EPX_CUDA_CHECK(cudaMemsetAsync(status, 0, 4 * sizeof(int32_t), s));
-  EPX_CUDA_CHECK(cudaMemsetAsync(status + 1, 0x7f, sizeof(int32_t), s));  // kNoBadPair
+  const bool legacy = resolve_kernel() == LayoutKernel::kLegacy;
+  if (legacy) {
+    EPX_CUDA_CHECK(cudaMemsetAsync(status, 0, 4 * sizeof(int32_t), s));
+    EPX_CUDA_CHECK(cudaMemsetAsync(status + 1, 0x7f, sizeof(int32_t), s));  // kNoBadPair
+  }
 
   layout::Params p{};
   p.idx = topk_idx.data();
@@ -150,21 +197,26 @@ void prepare_send_side(HandleState& h, const TensorRef& topk_idx, const TensorRe
   p.expert_rows = at<int32_t>(base, L.expert_rows);
   p.expert_offsets = at<int32_t>(base, L.expert_offsets);
   p.group_status = group_status;
+  p.block_bad = at<int32_t>(base, L.block_bad);
+  p.sync = at<unsigned long long>(base, L.sync);
 
-  if (h.capacity > 0 && options.drop_policy == DropPolicy::kByProbability) {
-    // Pass 1 without capacity: validated ids, positions and counts; then each expert keeps its
-    // `capacity` heaviest pairs in a masked copy of the ids, which passes 1-3 route dropless.
+  const bool by_probability = h.capacity > 0 && options.drop_policy == DropPolicy::kByProbability;
+  if (by_probability) {
+    // A dropless pass: validated ids, positions and counts; then each expert keeps its `capacity`
+    // heaviest pairs in a masked copy of the ids, which a second pass routes dropless.
     layout::Params first = p;
     first.capacity = 0;
-    run_passes(first, false, s);
+    if (legacy)
+      run_passes(first, false, s);
+    else
+      run_fused(first, layout::kPassFirst, s);
     const int64_t npairs = static_cast<int64_t>(p.T) * p.K;
     int32_t* list = at<int32_t>(base, L.pair_list);
     int32_t* masked = at<int32_t>(base, L.masked_ids);
     if (npairs > 0) {
       const int grid = static_cast<int>(std::min<int64_t>((npairs + 255) / 256, 1024));
-      layout::list_pairs_kernel<<<grid, 256, 0, s>>>(p.routed, p.pair_pos, p.counts, p.E, npairs, list);
+      layout::list_pairs_kernel<<<grid, 256, 0, s>>>(p.routed, p.pair_pos, p.counts, p.E, npairs, list, masked);
       EPX_CHECK_LAUNCH("list_pairs_kernel");
-      EPX_CUDA_CHECK(cudaMemcpyAsync(masked, p.routed, npairs * sizeof(int32_t), cudaMemcpyDeviceToDevice, s));
       layout::rank_by_weight_kernel<<<p.E, 256, 0, s>>>(list, p.counts, topk_weights.ptr<float>(), p.E, h.capacity,
                                                         masked);
       EPX_CHECK_LAUNCH("rank_by_weight_kernel");
@@ -173,7 +225,10 @@ void prepare_send_side(HandleState& h, const TensorRef& topk_idx, const TensorRe
     p.idx64 = false;
     p.capacity = 0;
   }
-  run_passes(p, true, s);
+  if (legacy)
+    run_passes(p, true, s);
+  else
+    run_fused(p, by_probability ? layout::kPassSecond : layout::kPassOnly, s);
 }
 
 }  // namespace epx::cuda

@@ -15,6 +15,13 @@
 
 namespace epx::cuda {
 
+/// Which implementation prepare_send_side runs: one fused launch (default) or the earlier three
+/// launches (EPX_LAYOUT_KERNEL=legacy, read once). Both give the same bits; the switch exists so
+/// that a GPU run (and the tests) can compare them.
+enum class LayoutKernel : int { kFused = 0, kLegacy = 1 };
+void set_layout_kernel(LayoutKernel k);
+LayoutKernel layout_kernel_in_use();
+
 /// Bytes of device memory one handle of this group needs (routing state + prepare scratch).
 size_t handle_block_bytes(const GroupConfig& config, int num_ranks);
 

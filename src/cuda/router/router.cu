@@ -15,11 +15,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_kernels.cuh"
 #include "epx/error.h"
 
@@ -39,6 +44,7 @@ using cuda::DeviceGuard;
 // Scratch of one (device, stream): the stats reduction rows and tickets, and the status word.
 // Tickets are returned to 0 by the kernel that completes them, so they are zeroed only here.
 struct Scratch {
+  unsigned long long* acc = nullptr;
   float* rows0 = nullptr;
   float* rows1 = nullptr;
   float* leaf_lse = nullptr;
@@ -70,6 +76,7 @@ Scratch& scratch_for(int device, cudaStream_t stream) {
   const size_t o_lse = take(sizeof(float) * rk::kMaxChunks);
   const size_t o_cnt = take(sizeof(unsigned long long) * rk::kMaxChunks);
   const size_t o_zero = off;
+  const size_t o_acc = take(sizeof(unsigned long long) * rk::kRows0 * rk::kMaxExperts);
   const size_t o_cnt1 = take(sizeof(unsigned) * rk::kRows0);
   const size_t o_cnt2 = take(sizeof(unsigned) * rk::kMaxChunks);
   const size_t o_ticket = take(sizeof(unsigned));
@@ -78,6 +85,7 @@ Scratch& scratch_for(int device, cudaStream_t stream) {
   EPX_CUDA_CHECK(cudaMalloc(&base, off));
   EPX_CUDA_CHECK(cudaMemsetAsync(base + o_zero, 0, off - o_zero, stream));
   Scratch s;
+  s.acc = reinterpret_cast<unsigned long long*>(base + o_acc);
   s.rows0 = reinterpret_cast<float*>(base + o_rows0);
   s.rows1 = reinterpret_cast<float*>(base + o_rows1);
   s.leaf_lse = reinterpret_cast<float*>(base + o_lse);
@@ -90,6 +98,24 @@ Scratch& scratch_for(int device, cudaStream_t stream) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::atomic<int> g_router_kernel{-1};  // -1: not resolved yet, else a RouterKernel
+
+RouterKernel resolve_router_kernel() {
+  int k = g_router_kernel.load(std::memory_order_relaxed);
+  if (k < 0) {
+    const char* v = std::getenv("EPX_ROUTER_KERNEL");
+    int want = static_cast<int>(RouterKernel::kFast);
+    if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(RouterKernel::kLegacy);
+    if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
+    int expected = -1;
+    g_router_kernel.compare_exchange_strong(expected, want);
+    k = g_router_kernel.load(std::memory_order_relaxed);
+    if (const char* dbg = std::getenv("EPX_DEBUG"); dbg != nullptr && std::strcmp(dbg, "0") != 0)
+      std::fprintf(stderr, "epx: route_forward kernel: %s\n", router_kernel_name(static_cast<RouterKernel>(k)));
+  }
+  return static_cast<RouterKernel>(k);
+}
 
 // Experts per lane: the smallest power of two with 32 * V >= E.
 int lanes_v(int E) {
@@ -123,8 +149,24 @@ int score_kind(ScoreFunction f) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+template <int V, class LT, int TPW>
+void launch_fast(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  switch (sf) {
+    case rk::kScoreSoftmax:
+      rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmax, TPW><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+    case rk::kScoreSoftmaxAfterTopk:
+      rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmaxAfterTopk, TPW><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+    default:
+      rk::route_forward_fast_kernel<V, LT, rk::kScoreSigmoid, TPW><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+  }
+  EPX_CHECK_LAUNCH("route_forward_fast_kernel");
+}
+
 template <int V, class LT>
-void launch_forward(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+void launch_legacy(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (sf) {
     case rk::kScoreSoftmax:
       rk::route_forward_kernel<V, LT, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
@@ -139,14 +181,45 @@ void launch_forward(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   EPX_CHECK_LAUNCH("route_forward_kernel");
 }
 
+// Two tokens per warp (a half-warp each) where the shape allows it: at most 256 experts (16 per
+// lane), K + 1 picks within 16 lanes, and groups, if any, on whole lanes of a power-of-two count.
+bool two_tokens_per_warp(int V, const rk::FwdParams& p) {
+  if (V > 8 || p.K > 15) return false;
+  if (p.G <= 1) return true;
+  const int v2 = 2 * V;
+  if (p.per % v2 != 0) return false;
+  const int lpg = p.per / v2;
+  return (lpg & (lpg - 1)) == 0;
+}
+
 template <class LT>
 void launch_forward_v(int V, int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  const RouterKernel k = resolve_router_kernel();
+  if (k == RouterKernel::kLegacy) {
+    switch (V) {
+      case 1: launch_legacy<1, LT>(sf, grid, s, p); break;
+      case 2: launch_legacy<2, LT>(sf, grid, s, p); break;
+      case 4: launch_legacy<4, LT>(sf, grid, s, p); break;
+      case 8: launch_legacy<8, LT>(sf, grid, s, p); break;
+      default: launch_legacy<16, LT>(sf, grid, s, p); break;
+    }
+    return;
+  }
+  if (k == RouterKernel::kFast && two_tokens_per_warp(V, p)) {
+    switch (V) {
+      case 1: launch_fast<2, LT, 2>(sf, grid, s, p); break;
+      case 2: launch_fast<4, LT, 2>(sf, grid, s, p); break;
+      case 4: launch_fast<8, LT, 2>(sf, grid, s, p); break;
+      default: launch_fast<16, LT, 2>(sf, grid, s, p); break;
+    }
+    return;
+  }
   switch (V) {
-    case 1: launch_forward<1, LT>(sf, grid, s, p); break;
-    case 2: launch_forward<2, LT>(sf, grid, s, p); break;
-    case 4: launch_forward<4, LT>(sf, grid, s, p); break;
-    case 8: launch_forward<8, LT>(sf, grid, s, p); break;
-    default: launch_forward<16, LT>(sf, grid, s, p); break;
+    case 1: launch_fast<1, LT, 1>(sf, grid, s, p); break;
+    case 2: launch_fast<2, LT, 1>(sf, grid, s, p); break;
+    case 4: launch_fast<4, LT, 1>(sf, grid, s, p); break;
+    case 8: launch_fast<8, LT, 1>(sf, grid, s, p); break;
+    default: launch_fast<16, LT, 1>(sf, grid, s, p); break;
   }
 }
 
@@ -163,6 +236,18 @@ void launch_backward_v(int V, int grid, cudaStream_t s, const rk::BwdParams& p) 
 }
 
 }  // namespace
+
+const char* router_kernel_name(RouterKernel k) {
+  switch (k) {
+    case RouterKernel::kLegacy: return "legacy";
+    case RouterKernel::kFastOneTokenPerWarp: return "fast1";
+    default: return "fast";
+  }
+}
+
+void set_router_kernel(RouterKernel k) { g_router_kernel.store(static_cast<int>(k), std::memory_order_relaxed); }
+
+RouterKernel router_kernel_in_use() { return resolve_router_kernel(); }
 
 void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorRef& expert_bias,
                    const TensorRef& topk_idx, const TensorRef& topk_weights, const RouterStats& stats,
@@ -226,6 +311,8 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   p.leaf_lse = sc.leaf_lse;
   p.leaf_cnt = sc.leaf_cnt;
   p.scal_ticket = sc.ticket;
+  p.acc = sc.acc;
+  p.rep = static_cast<int>(std::min<int64_t>(rk::kAccReplicas, p.bps));
 
   const int V = lanes_v(E);
   // Grouped selection relies on a lane touching at most two groups (E / G > V, or V = 1).

@@ -5,7 +5,7 @@
 // The public entry points validate shapes, dtypes, devices and the config once; these launchers
 // only check what the kernels add (the limits below, fp64 logits) and queue work on `stream`:
 // no host synchronisation, no allocation after the first call per (device, stream), which
-// allocates the small scratch the deterministic reductions use (~3 MB, kept for the process).
+// allocates the small scratch the deterministic reductions use (~7 MB, kept for the process).
 // Call once outside CUDA-graph capture per (device, stream) before capturing.
 //
 // Device-detected problems. Expert ids only the device sees (count_routed's routed_experts,
@@ -29,6 +29,16 @@ constexpr int kRouterMaxGroups = 16;
 /// Status bits (see router_status).
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
+
+/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "fast" (default: two tokens per
+/// warp where the shape allows, else one), "fast1" (the fast kernel, one token per warp always) or
+/// "legacy" (the earlier kernel), kept so that a GPU run and the tests can compare them. All give the
+/// same topk_idx and topk_weights bits; prob_sum and scalars[0] of the fast kernels differ from the
+/// legacy ones in rounding (each is deterministic run to run; see router_fast_kernels.cuh).
+enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2 };
+void set_router_kernel(RouterKernel k);
+RouterKernel router_kernel_in_use();
+const char* router_kernel_name(RouterKernel k);
 
 /// logits fp32 or bf16 [T, E]; everything else as in epx::route_forward.
 void route_forward(const RouterConfig& config, const TensorRef& logits, const TensorRef& expert_bias,

@@ -87,6 +87,10 @@ struct FwdParams {
   float* leaf_lse;
   unsigned long long* leaf_cnt;
   unsigned* scal_ticket;
+  // route_forward_fast_kernel only: fixed-point prob_sum accumulators, rows (s * rep + r) of
+  // kMaxExperts (zero between launches), rep replicas per sequence (>= 1).
+  unsigned long long* acc;
+  int rep;
 };
 
 struct BwdParams {

@@ -1,0 +1,675 @@
+// route_forward, the fast kernel (the default; EPX_ROUTER_KERNEL=legacy selects
+// route_forward_kernel of router_kernels.cuh, whose notes on layout, keys and the top-k apply here
+// unchanged). Per token it computes exactly what the legacy kernel computes -- same expressions,
+// same summation orders, same selection -- so topk_idx and topk_weights are the same bits; it
+// issues far fewer instructions and waits less:
+//  - the row max is one redux.max over order keys (the lane's fmaxf, then its key) instead of a
+//    5-step shuffle butterfly, and the same redux tells a fully masked row (key 0) apart;
+//  - expf / sigmoid are evaluated for every element and then selected, so the per-element code is
+//    straight-line (the legacy kernel branched around each exponential);
+//  - the sigmoid "far from the max" test is one fminf per element and one compare per lane
+//    (rounding is monotonic, so min(x) - max < -16 iff some x - max < -16);
+//  - in sigmoid mode the two warp sums (of exp, for the logsumexp, and of the scores, for the
+//    statistics) share one butterfly;
+//  - grouped selection with groups aligned to lanes (E/G a multiple of V, a power-of-two number of
+//    lanes per group: DeepSeek-V3's 8 groups of 32) merges each group's top-2 with an xor
+//    butterfly and ranks the groups with G shuffles, no shared memory; other shapes take the
+//    legacy code;
+//  - the bias of the lane's experts is read with vector loads from shared memory.
+// Launch: 4 blocks of 8 warps per SM (2 for V = 16), so that 512 chunks of T = 16384 run in one wave.
+//
+// Statistics, deterministically and without a reduction tree. A block sums its warps' registers in
+// warp order (as before) into one row per chunk; a chunk that is a whole sequence writes prob_sum
+// itself. Otherwise the row is rounded to fixed point (2^-32 units, int64) and added with integer
+// atomics into acc[s][j % rep] (rep <= 8 replicas spread the contention): integer addition is
+// associative, so the order in which chunks arrive cannot change a bit. The last chunk of a sequence
+// to arrive (a ticket per sequence, reset by that chunk) converts the sum to fp32 and clears the
+// accumulators for the next launch. The result differs from the legacy tree's by the fixed-point
+// rounding (below 2^-33 per chunk and expert) and the fp32 rounding order; it is bit-identical run
+// to run. lse^2 and the token count keep the legacy per-block leaves and last-block sum.
+#pragma once
+
+#include "cuda/router/router_kernels.cuh"
+
+namespace epx::cuda::router_kernels {
+
+constexpr int kAccReplicas = 8;
+constexpr float kFixedScale = 4294967296.0f;            // 2^32
+constexpr float kFixedInv = 2.3283064365386963e-10f;    // 2^-32
+
+// Registers: one token per warp fits 64 per thread (4 blocks of 8 warps per SM) up to V = 8;
+// two tokens per warp hold twice the elements per lane and take 128 (2 blocks per SM).
+template <int V, int TPW>
+struct FastBounds {
+  static constexpr int kMinBlocks = (TPW == 2 && V >= 8) || V >= 16 ? 2 : 4;
+};
+
+// order_key in two instructions (an arithmetic shift and one three-input logic op): the same keys.
+__device__ __forceinline__ uint32_t order_key2(float f) {
+  const uint32_t b = __float_as_uint(f);
+  const uint32_t m = static_cast<uint32_t>(static_cast<int32_t>(b) >> 31);
+  return b ^ (m | 0x80000000u);
+}
+
+// __frcp_rn(d) for d in [2^-126, 2^126): the fast path of the correctly rounded reciprocal
+// (MUFU.RCP, one Newton step), without the range test and the call of its slow path. IEEE's
+// round-to-nearest reciprocal is unique, so the bits are __frcp_rn's; callers guarantee the range.
+__device__ __forceinline__ float rcp_rn_normal(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float e = __fmaf_rn(d, r, -1.0f);
+  return __fmaf_rn(r, -e, r);
+}
+
+// The lanes of one token: all 32 (TPW = 1) or one half-warp (TPW = 2; the half-warp masks are the
+// ones cooperative_groups uses for its 16-thread tiles, including for redux).
+template <int TPW>
+struct TokenLanes {
+  static constexpr int kLanes = 32 / TPW;
+  unsigned mask;
+  int base;  // first lane of this token's lanes
+  int hl;    // lane within them
+  __device__ __forceinline__ explicit TokenLanes(int lane) {
+    if constexpr (TPW == 1) {
+      mask = kFull;
+      base = 0;
+      hl = lane;
+    } else {
+      base = lane & 16;
+      mask = 0xffffu << base;
+      hl = lane & 15;
+    }
+  }
+  __device__ __forceinline__ uint32_t max(uint32_t v) const { return __reduce_max_sync(mask, v); }
+  __device__ __forceinline__ unsigned add(unsigned v) const { return __reduce_add_sync(mask, v); }
+  __device__ __forceinline__ bool any(bool p) const { return __any_sync(mask, p); }
+  __device__ __forceinline__ unsigned ballot(bool p) const { return (__ballot_sync(mask, p) & mask) >> base; }
+};
+
+// The warp sum of the legacy kernel (one lane per V/TPW consecutive experts, sequential sums, then a
+// butterfly over 32 lanes) reproduced bit for bit: with two tokens per warp a lane holds the
+// partial sums a, b of two legacy lanes (2 hl and 2 hl + 1), the legacy steps xor 16, 8, 4, 2 are
+// the half-warp steps xor 8, 4, 2, 1 on both, and xor 1 is a + b (float addition commutes).
+template <int TPW>
+__device__ __forceinline__ float token_sum(const TokenLanes<TPW>& tl, float a, float b) {
+  if constexpr (TPW == 1) {
+    (void)b;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(tl.mask, a, o);
+    return a;
+  } else {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+      const float x = __shfl_xor_sync(tl.mask, a, o), y = __shfl_xor_sync(tl.mask, b, o);
+      a += x;
+      b += y;
+    }
+    return a + b;
+  }
+}
+
+// Two such sums at once (interleaved shuffles).
+template <int TPW>
+__device__ __forceinline__ void token_sum2(const TokenLanes<TPW>& tl, float& a0, float b0, float& a1, float b1) {
+  if constexpr (TPW == 1) {
+    (void)b0;
+    (void)b1;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float x = __shfl_xor_sync(tl.mask, a0, o), y = __shfl_xor_sync(tl.mask, a1, o);
+      a0 += x;
+      a1 += y;
+    }
+  } else {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+      const float x0 = __shfl_xor_sync(tl.mask, a0, o), y0 = __shfl_xor_sync(tl.mask, b0, o);
+      const float x1 = __shfl_xor_sync(tl.mask, a1, o), y1 = __shfl_xor_sync(tl.mask, b1, o);
+      a0 += x0;
+      b0 += y0;
+      a1 += x1;
+      b1 += y1;
+    }
+    a0 = a0 + b0;
+    a1 = a1 + b1;
+  }
+}
+
+// Over the token's first 16 lanes (the K <= 16 slots), as half_max / half_sum.
+template <int TPW>
+__device__ __forceinline__ float slots_max(const TokenLanes<TPW>& tl, float v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(tl.mask, v, o));
+  return v;
+}
+template <int TPW>
+__device__ __forceinline__ float slots_sum(const TokenLanes<TPW>& tl, float v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(tl.mask, v, o);
+  return v;
+}
+
+// exact_topk over the token's lanes: K rounds of (max key, lowest lane, lowest slot).
+template <int V, int TPW>
+__device__ __forceinline__ int exact_topk_t(const TokenLanes<TPW>& tl, const uint32_t (&ek)[V], int K) {
+  uint32_t taken = 0;
+  int id = -1;
+  for (int r = 0; r < K; ++r) {
+    uint32_t bk = 0;
+    int bj = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const uint32_t k = ((taken >> j) & 1u) ? 0u : ek[j];
+      if (k > bk) {
+        bk = k;
+        bj = j;
+      }
+    }
+    const uint32_t m = tl.max(bk);
+    if (m == 0u) break;
+    const int w = __ffs(tl.ballot(bk == m)) - 1;
+    const int jw = __shfl_sync(tl.mask, bj, tl.base + w);
+    if (tl.hl == w) taken |= 1u << jw;
+    if (tl.hl == r) id = w * V + jw;
+  }
+  return id;
+}
+
+template <int V>
+__device__ __forceinline__ void load_bias(float (&bias)[V], const float* s_bias, int e0) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+      const float4 b4 = reinterpret_cast<const float4*>(s_bias + e0)[i];
+      bias[4 * i] = b4.x;
+      bias[4 * i + 1] = b4.y;
+      bias[4 * i + 2] = b4.z;
+      bias[4 * i + 3] = b4.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) bias[j] = s_bias[e0 + j];
+  }
+}
+
+// V: experts per lane; TPW: tokens per warp (2: a half-warp per token; then K <= 15, E <= 16 V,
+// and groups, if any, aligned to lanes -- the launcher checks).
+template <int V, class LT, int SF, int TPW>
+__global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
+    route_forward_fast_kernel(const __grid_constant__ FwdParams p) {
+  static_assert(V == 1 || V == 2 || V == 4 || V == 8 || V == 16, "V must be a power of two <= 16");
+  static_assert(TPW == 1 || (TPW == 2 && V >= 2), "two tokens per warp pair the legacy lanes");
+  constexpr int LPT = 32 / TPW;  // lanes per token
+  constexpr int EP = LPT * V;    // experts per token, padded
+  constexpr int IB = EP == 32 ? 5 : EP == 64 ? 6 : EP == 128 ? 7 : EP == 256 ? 8 : 9;
+  constexpr uint32_t IM = (1u << IB) - 1u;
+  constexpr int VH = TPW == 1 ? V : V / 2;  // elements of one legacy lane
+  constexpr int kRows = kWarps * TPW;       // statistics rows of a block (one per token stream)
+
+  __shared__ __align__(16) float s_red[kRows][EP];
+  __shared__ __align__(16) float s_bias[EP];
+  __shared__ float s_wlse[kRows];
+  __shared__ unsigned s_wcnt[kRows];
+  __shared__ unsigned long long s_n[kThreads];
+  __shared__ int s_lane_gf[32], s_lane_jb[32];
+  __shared__ float s_blk_lse;
+  __shared__ unsigned long long s_blk_cnt;
+  __shared__ int s_flag;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const TokenLanes<TPW> tl(lane);
+  const int hl = tl.hl, stream = warp * TPW + (lane >> 4) * (TPW - 1);
+  const int E = p.E, K = p.K, G = p.G, per = p.per;
+  const int e0 = hl * V;
+  const bool want_prob = p.prob_sum != nullptr, want_scal = p.scalars != nullptr;
+  const bool need_softmax = SF == kScoreSoftmax || want_scal || (SF == kScoreSoftmaxAfterTopk && want_prob);
+  const LT* logits = static_cast<const LT*>(p.logits);
+
+  for (int e = tid; e < EP; e += kThreads) {
+    float b = 0.0f;
+    if (p.bias != nullptr && e < E) {
+      b = __ldg(p.bias + e);
+      if (isnan(b)) b = -CUDART_INF_F;
+    }
+    s_bias[e] = b;
+  }
+
+  // Groups. Aligned: group g is the token's lanes [g * lpg, (g + 1) * lpg). Otherwise (one token
+  // per warp only) the legacy layout: lane l's elements j < jb[l] belong to group gf[l], the
+  // others to gf[l] + 1.
+  const bool grouped = G > 1;
+  const int lpg = grouped && per % V == 0 ? per / V : 0;
+  const bool aligned = lpg > 0 && (lpg & (lpg - 1)) == 0;
+  bool any_straddle = false;
+  int ncover = 0;
+  if constexpr (TPW == 1) {
+    if (grouped && !aligned) {
+      int gf = kMaxGroups + 1, jb = V;
+      if (e0 < E) {
+        gf = e0 / per;
+        jb = (gf + 1) * per - e0;
+      }
+      if (warp == 0) {
+        s_lane_gf[lane] = gf;
+        s_lane_jb[lane] = jb;
+      }
+      any_straddle = __any_sync(kFull, e0 < E && jb < V && e0 + jb < E);
+      const int cover = lane < G ? ((lane + 1) * per - 1) / V - (lane * per) / V + 1 : 0;
+      ncover = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cover)));
+    }
+  }
+  const int my_group = grouped ? e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
+  if (tid == 0) {
+    s_blk_lse = 0.0f;
+    s_blk_cnt = 0;
+  }
+  __syncthreads();
+
+  const int64_t step = static_cast<int64_t>(kWarps) * TPW;
+  for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
+    const int64_t s = c / p.bps, jc = c - s * p.bps;
+    const int64_t t_begin = s * p.L + jc * p.C;
+    const int64_t t_end = s * p.L + min((jc + 1) * p.C, p.L);
+
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+    float w_lse = 0.0f;
+    unsigned w_cnt = 0;
+
+    int64_t t = t_begin + stream;
+    const LT* row = logits + t * E;
+    const int64_t row_step = step * E;
+    RowRaw<V, LT> cur;
+    if (t < t_end) load_row<V, LT>(cur, row, e0, E, p.vec_ok);
+    while (t < t_end) {  // uniform over the token's lanes
+      RowRaw<V, LT> nxt;
+      if (t + step < t_end) load_row<V, LT>(nxt, row + row_step, e0, E, p.vec_ok);
+
+      float x[V];
+      unpack_row<V, LT>(cur, x);
+      // The lane's max over eligible logits: fmaxf ignores NaN, and stays NaN only when every
+      // element of the lane is NaN. One redux gives the row max as an order key, 0 when no lane
+      // of the token has an eligible expert.
+      float lmx = __uint_as_float(0x7fc00000u);
+#pragma unroll
+      for (int j = 0; j < V; ++j) lmx = fmaxf(lmx, x[j]);
+      const uint32_t mkey = tl.max(isnan(lmx) ? 0u : order_key2(lmx));
+      const int64_t o = t * K + hl;
+      if (mkey == 0u) {
+        if (hl < K) store_slot(p, o, -1, 0.0f);
+      } else {
+        const float mx = key_to_float(mkey);
+
+        // pr: softmax probabilities (sigmoid mode: exp(x - max)), NaN exactly where the logit is
+        // NaN (ineligible); sums and statistics add fmaxf(v, 0), which is v for the others.
+        float pr[V];
+        float inv = 0.0f, pv = 0.0f, lse = 0.0f;
+        float suma = 0.0f, sumb = 0.0f;
+        bool sat = false;
+        if (need_softmax) {
+          if (isinf(mx)) {  // uniform over the token
+            unsigned cnt = 0;
+#pragma unroll
+            for (int j = 0; j < V; ++j) cnt += x[j] == mx ? 1u : 0u;
+            const unsigned top = tl.add(cnt);
+            pv = 1.0f / static_cast<float>(top);
+#pragma unroll
+            for (int j = 0; j < V; ++j) pr[j] = isnan(x[j]) ? x[j] : (x[j] == mx ? pv : 0.0f);
+            lse = mx;
+            sat = true;
+          } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+              pr[j] = expf(__fsub_rn(x[j], mx));  // finite max: NaN iff x is NaN
+              if (j < VH)
+                suma += fmaxf(pr[j], 0.0f);
+              else
+                sumb += fmaxf(pr[j], 0.0f);
+            }
+            if constexpr (SF != kScoreSigmoid) {
+              const float sum = token_sum(tl, suma, sumb);
+              inv = 1.0f / sum;
+#pragma unroll
+              for (int j = 0; j < V; ++j) pr[j] = __fmul_rn(pr[j], inv);
+              if (want_scal) lse = mx + logf(sum);
+            }
+          }
+        }
+
+        float sg[V];
+        float ssum = 0.0f, e_neg_max = 0.0f;
+        bool sig_direct = true;
+        if constexpr (SF == kScoreSigmoid) {
+          float lmn = __uint_as_float(0x7fc00000u);  // the lane's min over eligible logits
+#pragma unroll
+          for (int j = 0; j < V; ++j) lmn = fminf(lmn, x[j]);
+          if (need_softmax && !sat) {
+            // Rounding is monotonic: min(x) - max < -16 iff some x - max < -16 (NaN never is).
+            sig_direct = tl.any(__fsub_rn(lmn, mx) < -16.0f);
+            if (!sig_direct) e_neg_max = expf(-mx);
+          }
+          // The reciprocals' fast path where the denominators are in range for the whole token:
+          // 1 + exp(-x) < 2^126 when x > -80; u + exp(-max) is in [e^-16, 2^126) when max > -80.
+          // Otherwise the same expressions with __frcp_rn. NaN in, NaN out either way.
+          float ssa = 0.0f, ssb = 0.0f;
+          if (sig_direct) {
+            if (!tl.any(lmn <= -80.0f)) {
+#pragma unroll
+              for (int j = 0; j < V; ++j) sg[j] = rcp_rn_normal(__fadd_rn(1.0f, expf(-x[j])));
+            } else {
+#pragma unroll
+              for (int j = 0; j < V; ++j) sg[j] = sigmoid_score(x[j]);
+            }
+          } else if (mx > -80.0f) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) sg[j] = __fmul_rn(pr[j], rcp_rn_normal(__fadd_rn(pr[j], e_neg_max)));
+          } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) sg[j] = sigmoid_shared(pr[j], e_neg_max);
+          }
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            if (j < VH)
+              ssa += fmaxf(sg[j], 0.0f);
+            else
+              ssb += fmaxf(sg[j], 0.0f);
+          }
+          // The logsumexp's sum and the scores' sum share one butterfly.
+          if (need_softmax && !sat) {
+            if (want_prob) {
+              token_sum2(tl, suma, sumb, ssa, ssb);
+              ssum = ssa;
+            } else {
+              suma = token_sum(tl, suma, sumb);
+            }
+            if (want_scal) lse = mx + logf(suma);
+          } else if (want_prob) {
+            ssum = token_sum(tl, ssa, ssb);
+          }
+        }
+
+        if (want_prob) {
+          if constexpr (SF == kScoreSigmoid) {
+            const float is = ssum > 0.0f ? 1.0f / ssum : 0.0f;
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += fmaxf(sg[j], 0.0f) * is;
+          } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += fmaxf(pr[j], 0.0f);
+          }
+        }
+        if (want_scal) {
+          w_lse += lse * lse;
+          ++w_cnt;
+        }
+
+        // Exact selection keys (0 = ineligible). Scores are finite where eligible and the bias is
+        // never NaN, so the sum is NaN exactly for the ineligible ones.
+        uint32_t ek[V];
+        {
+          float bias[V];
+          load_bias<V>(bias, s_bias, e0);
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            if constexpr (SF == kScoreSoftmax) {
+              const float sel = __fadd_rn(pr[j], bias[j]);
+              ek[j] = isnan(sel) ? 0u : order_key2(sel);
+            } else if constexpr (SF == kScoreSigmoid) {
+              const float sel = __fadd_rn(sg[j], bias[j]);
+              ek[j] = isnan(sel) ? 0u : order_key2(sel);
+            } else {
+              float sel = __fadd_rn(__fadd_rn(x[j], bias[j]), 0.0f);  // -0 -> +0
+              if (isnan(sel)) sel = -CUDART_INF_F;                      // inf + -inf
+              ek[j] = isnan(x[j]) ? 0u : order_key2(sel);
+            }
+          }
+        }
+
+        if (grouped) {
+          if (TPW == 2 || aligned) {
+            // The group's top-2 keys: each lane's, then an xor butterfly over the group's lanes
+            // (the top-2 of a multiset does not depend on the merge order).
+            uint32_t g1 = 0, g2 = 0;
+#pragma unroll
+            for (int j = 0; j < V; ++j) top2(g1, g2, ek[j]);
+            for (int off = 1; off < lpg; off <<= 1) {
+              const uint32_t b1 = __shfl_xor_sync(tl.mask, g1, off), b2 = __shfl_xor_sync(tl.mask, g2, off);
+              merge2(g1, g2, b1, b2);
+            }
+            float gs;
+            if (g1 == 0u)
+              gs = -CUDART_INF_F;
+            else if (g2 == 0u)
+              gs = key_to_float(g1);
+            else {
+              gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
+              if (isnan(gs)) gs = -CUDART_INF_F;
+            }
+            const uint32_t gk = order_key2(gs);
+            int rank = 0;
+#pragma unroll
+            for (int gi = 0; gi < kMaxGroups; ++gi) {
+              if (gi >= G) break;
+              const uint32_t other = __shfl_sync(tl.mask, gk, tl.base + gi * lpg);
+              rank += (other > gk || (other == gk && gi < my_group)) ? 1 : 0;
+            }
+            const bool kept = my_group < G && rank < p.group_topk;
+#pragma unroll
+            for (int j = 0; j < V; ++j) ek[j] = kept ? ek[j] : 0u;
+          } else if constexpr (TPW == 1) {
+            // The legacy general layout (see route_forward_kernel).
+            const int gf = s_lane_gf[lane], jb = s_lane_jb[lane];
+            const int g_first = (lane * per) / V, g_last = lane < G ? ((lane + 1) * per - 1) / V : -1;
+            uint32_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
+            if (!any_straddle) {
+#pragma unroll
+              for (int j = 0; j < V; ++j) top2(a1, a2, ek[j]);
+            } else {
+#pragma unroll
+              for (int j = 0; j < V; ++j) {
+                const bool in_b = j >= jb;
+                top2(a1, a2, in_b ? 0u : ek[j]);
+                top2(b1, b2, in_b ? ek[j] : 0u);
+              }
+            }
+            uint32_t g1 = 0, g2 = 0;
+            for (int i = 0; i < ncover; ++i) {
+              const int src = min(g_first + i, 31);
+              const uint32_t sa1 = __shfl_sync(kFull, a1, src), sa2 = __shfl_sync(kFull, a2, src);
+              const int sgf = __shfl_sync(kFull, gf, src);
+              uint32_t sb1 = 0, sb2 = 0;
+              if (any_straddle) {
+                sb1 = __shfl_sync(kFull, b1, src);
+                sb2 = __shfl_sync(kFull, b2, src);
+              }
+              if (lane < G && g_first + i <= g_last) {
+                if (sgf == lane)
+                  merge2(g1, g2, sa1, sa2);
+                else
+                  merge2(g1, g2, sb1, sb2);
+              }
+            }
+            uint32_t gk = 0;
+            if (lane < G) {
+              float gs;
+              if (g1 == 0u)
+                gs = -CUDART_INF_F;
+              else if (g2 == 0u)
+                gs = key_to_float(g1);
+              else {
+                gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
+                if (isnan(gs)) gs = -CUDART_INF_F;
+              }
+              gk = order_key(gs);
+            }
+            int rank = 0;
+#pragma unroll
+            for (int gi = 0; gi < kMaxGroups; ++gi) {
+              if (gi >= G) break;
+              const uint32_t other = __shfl_sync(kFull, gk, gi);
+              rank += (other > gk || (other == gk && gi < lane)) ? 1 : 0;
+            }
+            const uint32_t kept = __ballot_sync(kFull, lane < G && rank < p.group_topk);
+            const bool ka = (kept >> gf) & 1u, kb = (kept >> (gf + 1)) & 1u;
+#pragma unroll
+            for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
+          }
+        }
+
+        // Fast top-k on composite keys, exact fallback (route_forward_kernel's file note). A pick
+        // <= IM (no candidate left anywhere) may shift a lane's cache: later picks are <= IM too,
+        // and those only ever give -1.
+        uint32_t c1 = 0, c2 = 0, c3 = 0;
+        const uint32_t cbase = IM - static_cast<uint32_t>(e0);
+#pragma unroll
+        for (int j = 0; j < V; ++j) top3(c1, c2, c3, (ek[j] & ~IM) | (cbase - static_cast<uint32_t>(j)));
+        const bool more = c3 > IM;
+        uint32_t slot = 0;
+#pragma unroll
+        for (int r = 0; r <= kMaxTopk; ++r) {
+          if (r > K) break;
+          const uint32_t m = tl.max(c1);
+          if (hl == r) slot = m;
+          const bool won = c1 == m;
+          c1 = won ? c2 : c1;
+          c2 = won ? c3 : c2;
+          c3 = won ? 0u : c3;
+        }
+        const uint32_t after = __shfl_down_sync(tl.mask, slot, 1);
+        const bool collide = hl < K && after > IM && (slot >> IB) == (after >> IB);
+        const bool exhausted = more && c1 == 0u;
+        int id;
+        if (!tl.any(collide || exhausted))
+          id = slot > IM ? static_cast<int>(IM - (slot & IM)) : -1;
+        else
+          id = exact_topk_t<V, TPW>(tl, ek, K);
+
+        // Weights from the selected logits, recomputed by the slot lanes.
+        const bool used = hl < K && id >= 0;
+        const float xs = used ? load_elem(row, id) : 0.0f;
+        float q = 0.0f;
+        if constexpr (SF == kScoreSoftmax) {
+          if (used) q = softmax_prob(xs, mx, inv, sat, pv);
+        } else if constexpr (SF == kScoreSigmoid) {
+          if (used) q = sig_direct ? sigmoid_score(xs) : sigmoid_shared(expf(__fsub_rn(xs, mx)), e_neg_max);
+        } else {
+          const float m2 = __shfl_sync(tl.mask, slots_max(tl, used ? xs : -CUDART_INF_F), tl.base);
+          if (tl.any(used)) {
+            if (isinf(m2)) {
+              const bool hit = used && xs == m2;
+              const int top = __popc(tl.ballot(hit) & 0xffffu);
+              q = hit ? 1.0f / static_cast<float>(top) : 0.0f;
+            } else {
+              const float ex = used ? expf(__fsub_rn(xs, m2)) : 0.0f;
+              const float s2 = slots_sum(tl, ex);
+              q = hl < 16 ? ex / s2 : 0.0f;
+            }
+          }
+        }
+        const float Q = slots_sum(tl, q);
+        const bool divide = p.normalize && Q > 0.0f;
+        const float wgt = p.scale * (divide ? q / Q : q);
+        if (hl < K) store_slot(p, o, used ? id : -1, used ? wgt : 0.0f);
+      }
+
+      cur = nxt;
+      t += step;
+      row += row_step;
+    }
+
+    // This chunk's statistics: the token streams in order (warp, then half-warp).
+    if (want_prob) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) s_red[stream][e0 + j] = acc[j];
+    }
+    if (want_scal && hl == 0) {
+      s_wlse[stream] = w_lse;
+      s_wcnt[stream] = w_cnt;
+    }
+    __syncthreads();
+    if (want_scal && tid == 0) {
+#pragma unroll
+      for (int w = 0; w < kRows; ++w) {
+        s_blk_lse += s_wlse[w];
+        s_blk_cnt += s_wcnt[w];
+      }
+    }
+    if (want_prob) {  // block-uniform
+      const int rep = p.rep;
+      unsigned long long* acc_row = p.acc + (s * rep + jc % rep) * kMaxExperts;
+      for (int e = tid; e < E; e += kThreads) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kRows; ++w) v += s_red[w][e];
+        if (p.bps == 1)
+          p.prob_sum[s * E + e] = v;
+        else
+          atomicAdd(acc_row + e, static_cast<unsigned long long>(__float2ll_rn(v * kFixedScale)));
+      }
+      if (p.bps > 1) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+          const unsigned ticket = atomicAdd(p.cnt1 + s, 1u);
+          const int last = ticket == static_cast<unsigned>(p.bps - 1);
+          if (last) p.cnt1[s] = 0u;  // every chunk of the sequence has arrived: ready for the next launch
+          s_flag = last;
+        }
+        __syncthreads();
+        if (s_flag) {
+          __threadfence();
+          unsigned long long* first = p.acc + s * rep * kMaxExperts;
+          for (int e = tid; e < E; e += kThreads) {
+            unsigned long long total = 0;
+            for (int r = 0; r < rep; ++r) {
+              total += __ldcg(first + r * kMaxExperts + e);
+              __stcg(first + r * kMaxExperts + e, 0ull);
+            }
+            p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
+          }
+        }
+      }
+    }
+    __syncthreads();  // s_red and s_flag are reused by the next chunk
+  }
+
+  if (want_scal) {
+    if (tid == 0) {
+      p.leaf_lse[blockIdx.x] = s_blk_lse;
+      p.leaf_cnt[blockIdx.x] = s_blk_cnt;
+      __threadfence();
+      const unsigned ticket = atomicAdd(p.scal_ticket, 1u);
+      const int last = ticket == gridDim.x - 1;
+      if (last) *p.scal_ticket = 0u;
+      s_flag = last;
+    }
+    __syncthreads();
+    if (s_flag) {
+      __threadfence();
+      float v = 0.0f;
+      unsigned long long n = 0;
+      for (unsigned b = tid; b < gridDim.x; b += kThreads) {
+        v += __ldcg(p.leaf_lse + b);
+        n += __ldcg(p.leaf_cnt + b);
+      }
+      float* s_f = &s_red[0][0];  // >= kThreads floats
+      s_f[tid] = v;
+      s_n[tid] = n;
+      __syncthreads();
+      for (int off = kThreads / 2; off > 0; off >>= 1) {
+        if (tid < off) {
+          s_f[tid] += s_f[tid + off];
+          s_n[tid] += s_n[tid + off];
+        }
+        __syncthreads();
+      }
+      if (tid == 0) {
+        p.scalars[0] = s_f[0];
+        p.scalars[1] = static_cast<float>(s_n[0]);
+      }
+    }
+  }
+}
+
+}  // namespace epx::cuda::router_kernels
