@@ -4,7 +4,7 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer]
+# usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax; memcheck leaves out
@@ -66,6 +66,7 @@ if has bench; then
   : >"$OUT/bench.jsonl"
   for b in "$BUILD"/bin/bench_*; do
     [ -x "$b" ] || continue
+    if [ "$(basename "$b")" = bench_ep ] && has epbench; then continue; fi  # the epbench step runs it
     timeout 120 "$b" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench: $(basename "$b") failed rc=$?"
   done
   PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
@@ -119,5 +120,17 @@ if has layer; then
     done
   fi
   cat "$OUT/layer.jsonl"
+fi
+if has profile; then
+  # Where the layer's time goes: a kernel summary of a few forward+backward steps on one GPU.
+  if command -v nsys >/dev/null 2>&1; then
+    timeout 240 nsys profile -t cuda --stats=false -o "$OUT/layer_profile" -f true \
+      "$BUILD/bin/epx" bench layer --ranks 1 --preset "${PROFILE_PRESET:-deepseek-v3}" --iters 3 >"$OUT/profile.log" 2>&1
+    nsys stats -r cuda_gpu_kern_sum -f csv -o "$OUT/layer_kernels" "$OUT/layer_profile.nsys-rep" >>"$OUT/profile.log" 2>&1
+    rm -f "$OUT/layer_profile.nsys-rep" "$OUT/layer_profile.sqlite"
+    head -30 "$OUT"/layer_kernels*.csv
+  else
+    summary "profile: nsys not found"
+  fi
 fi
 cat "$OUT/summary.txt"
