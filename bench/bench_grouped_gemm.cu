@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -87,6 +88,38 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
       .add("tflops", flops / tw * 1e-6).add("fraction_of_forward", t / tw).print();
 }
 
+// Every wgrad kernel on one shape: both schedules, fp32 and bf16 gradients (the layer's choice).
+void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N) {
+  const LayoutD L = layout(sizes);
+  const int G = static_cast<int>(sizes.size());
+  Tensor x = device_random({L.total, K}, DType::kBF16, 5, 1.0), dy = device_random({L.total, N}, DType::kBF16, 6, 1.0);
+  Tensor dw32 = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
+  Tensor dw16 = Tensor::empty({G, K, N}, DType::kBF16, Device::cuda(0));
+  const double flops = 2.0 * L.total * K * N;
+  const int32_t* off = L.offsets.ptr<int32_t>();
+  const int32_t* rows = L.rows.ptr<int32_t>();
+  const cuda::GroupedOperand a{x.data(), K, 0}, d{dy.data(), N, 0};
+  struct Variant {
+    const char* schedule;
+    const char* out;
+    std::function<void()> fn;
+  };
+  const std::vector<Variant> variants = {
+      {"cooperative", "fp32", [&] { cuda::grouped_wgrad_bf16(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {}); }},
+      {"pingpong", "fp32", [&] { cuda::grouped_wgrad_bf16_pingpong(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {}); }},
+      {"cooperative", "bf16", [&] { cuda::grouped_wgrad_bf16_out(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+      {"pingpong", "bf16", [&] { cuda::grouped_wgrad_bf16_out_pingpong(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+  };
+  for (const Variant& v : variants) {
+    const double t = bench::time_us([&](int) { v.fn(); }, 10, 5, 2);
+    const double out_bytes = static_cast<double>(G) * K * N * (std::string(v.out) == "fp32" ? 4 : 2);
+    JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad_kernel").add("case", name).add("schedule", v.schedule)
+        .add("out", v.out).add("groups", G).add("rows", static_cast<long long>(L.total))
+        .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
+        .add("tflops", flops / t * 1e-6).add("gradient_write_gb_per_s", out_bytes / t * 1e-3).print();
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -101,6 +134,12 @@ int main() {
     run("32x1024_k2048_n7168", std::vector<int>(32, 1024), 2048, 7168, hbm, false);
     run("8x4096_k4096_n14336", std::vector<int>(8, 4096), 4096, 14336, hbm, false);
     run("decode_32x16_k7168_n2048", std::vector<int>(32, 16), 7168, 2048, hbm, false);
+    // The DeepSeek-V3 layer on 2 GPUs: 128 local experts, ~256 rows each; stacked FC1 (N = 2F) and FC2.
+    run("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, hbm, true);
+    run("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, hbm, true);
+    run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096);
+    run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168);
+    run_wgrad_variants("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_grouped_gemm: %s\n", e.what());
     return 1;

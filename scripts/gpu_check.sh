@@ -7,6 +7,7 @@
 # usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
+# BENCHES="bench_router bench_permute" narrows the bench step to those binaries.
 # EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax; memcheck leaves out
 # the long multi-GPU scenario sweep and the timing-based late-rank test unless MEMCHECK_FILTER says).
 # mptests runs the one-process-per-GPU suite three times: both transports (multigpu.log), then
@@ -67,7 +68,8 @@ if has bench; then
   for b in "$BUILD"/bin/bench_*; do
     [ -x "$b" ] || continue
     if [ "$(basename "$b")" = bench_ep ] && has epbench; then continue; fi  # the epbench step runs it
-    timeout 120 "$b" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench: $(basename "$b") failed rc=$?"
+    if [ -n "${BENCHES:-}" ] && ! [[ " $BENCHES " == *" $(basename "$b") "* ]]; then continue; fi
+    timeout "${BENCH_TIMEOUT:-120}" "$b" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench: $(basename "$b") failed rc=$?"
   done
   PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
     summary "bench: torch baseline failed"

@@ -99,6 +99,40 @@ TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(dwh.item(i), 0.0) << "empty expert's gradient must be zero";
 }
 
+// Both wgrad schedules, fp32 and bf16 out: each matches the reference, the schedules agree bit for
+// bit (same k order inside a tile), bf16 out is the fp32 result rounded once, empty groups are zero.
+TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 136, N = 264;  // not multiples of either tile
+  const Layout L = make_layout({300, 0, 1, 130, 16, 0, 9}, 16);
+  const int G = static_cast<int>(L.rows.size(0));
+  Tensor x = randn({L.total, K}, DType::kBF16, 11), dy = randn({L.total, N}, DType::kBF16, 12);
+  Tensor dw_ref = Tensor::zeros({G, K, N}, DType::kF32);
+  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
+  Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+  const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
+  const int32_t* o = off.ptr<int32_t>();
+  const int32_t* r = rows.ptr<int32_t>();
+  Tensor c32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32)), p32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
+  Tensor c16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16)), p16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
+  cuda::grouped_wgrad_bf16(a, d, c32.ptr<float>(), K * N, K, N, o, r, G, {});
+  cuda::grouped_wgrad_bf16_pingpong(a, d, p32.ptr<float>(), K * N, K, N, o, r, G, {});
+  cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, o, r, G, {});
+  cuda::grouped_wgrad_bf16_out_pingpong(a, d, p16.data(), K * N, K, N, o, r, G, {});
+  EXPECT_LT(rel_err(c32, dw_ref), 1e-2);
+  EXPECT_TRUE(testing::bit_equal(p32, c32)) << "ping-pong vs cooperative, fp32 out";
+  EXPECT_TRUE(testing::bit_equal(p16, c16)) << "ping-pong vs cooperative, bf16 out";
+  Tensor h32 = to_host(c32), h16 = to_host(c16), rounded = Tensor::empty({G, K, N}, DType::kBF16);
+  for (int64_t i = 0; i < h32.numel(); ++i) store_from_double(rounded.data(), DType::kBF16, i, h32.item(i));
+  EXPECT_TRUE(testing::bit_equal(h16, rounded)) << "bf16 out must be the fp32 accumulator rounded once";
+  // the public op through the configured schedule agrees too
+  Tensor pub = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
+  grouped_gemm_wgrad(xg, dyg, off, rows, pub);
+  EXPECT_TRUE(testing::bit_equal(pub, c32)) << "grouped_gemm_wgrad";
+  Tensor ph = to_host(pub);
+  for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), 0.0) << "empty expert's gradient must be zero";
+}
+
 TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
   EPX_REQUIRE_GROUPED();
   for (Activation act : {Activation::kSwiGLU, Activation::kGelu})

@@ -14,7 +14,9 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <mutex>
 
 #include "cuda/common/cuda_check.h"
@@ -196,11 +198,16 @@ void zero_empty_groups(const TensorRef& out, int64_t group_elems, const int32_t*
 // Weight gradient of one grouped operand pair into fp32 or bf16 (the dtype of dw).
 void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem_offset, int64_t group_stride,
            int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, Stream stream) {
-  if (dw.dtype() == DType::kF32)
-    grouped_wgrad_bf16(a, d, dw.ptr<float>() + elem_offset, group_stride, K, N, offsets, rows, G, stream);
-  else
-    grouped_wgrad_bf16_out(a, d, static_cast<__nv_bfloat16*>(dw.data()) + elem_offset, group_stride, K, N, offsets,
-                           rows, G, stream);
+  const bool pp = wgrad_schedule() == WgradSchedule::kPingpong;
+  if (dw.dtype() == DType::kF32) {
+    float* out = dw.ptr<float>() + elem_offset;
+    if (pp) grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    else grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+  } else {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
+    if (pp) grouped_wgrad_bf16_out_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    else grouped_wgrad_bf16_out(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+  }
 }
 
 // bf16 scratch per device, grown on demand (the first call of a size allocates; later calls and
@@ -233,6 +240,19 @@ void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F)
 }
 
 }  // namespace
+
+WgradSchedule wgrad_schedule() {
+  static const WgradSchedule chosen = [] {
+    const char* v = std::getenv("EPX_WGRAD_KERNEL");
+    if (v == nullptr || *v == '\0') return WgradSchedule::kPingpong;
+    const std::string s(v);
+    if (s == "pingpong") return WgradSchedule::kPingpong;
+    if (s == "cooperative") return WgradSchedule::kCooperative;
+    throw Error(Status::kInvalidArgument,
+                detail::concat("epx: EPX_WGRAD_KERNEL is \"", s, "\", expected cooperative or pingpong"));
+  }();
+  return chosen;
+}
 
 void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
   const char* fn = "epx::expert_mlp_forward";

@@ -34,5 +34,17 @@ void grouped_wgrad_bf16(GroupedOperand a, GroupedOperand d, float* out, int64_t 
 /// The same with bf16 out (fp32 accumulation, rounded once).
 void grouped_wgrad_bf16_out(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride, int64_t K,
                             int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+/// Both again with the ping-pong schedule (128x128 tiles, one warp group's epilogue under the
+/// other's math): the same results, faster when groups have few rows.
+void grouped_wgrad_bf16_pingpong(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride, int64_t K,
+                                 int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+void grouped_wgrad_bf16_out_pingpong(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
+                                     int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                     Stream stream);
+
+/// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=cooperative|pingpong
+/// (read once), else the default.
+enum class WgradSchedule { kCooperative, kPingpong };
+WgradSchedule wgrad_schedule();
 
 }  // namespace epx::cuda

@@ -28,7 +28,23 @@ using namespace cute;
 
 enum class Mode { kForward, kDgrad, kWgrad };
 
-template <class LayoutA, class LayoutB, class ElementOut>
+// Two warp groups on one 128x256 tile: the most math per byte, best when every tile has a long
+// contraction (forward, dgrad).
+struct Cooperative {
+  using TileShape = cute::Shape<_128, _256, _64>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// Two warp groups on alternating 128x128 tiles: one stores its tile while the other computes, which
+// pays off when the contraction is short and the output large (wgrad over a few hundred rows per
+// expert writes a whole [K, N] gradient per expert).
+struct Pingpong {
+  using TileShape = cute::Shape<_128, _128, _64>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class LayoutA, class LayoutB, class ElementOut, class Schedule = Cooperative>
 struct Kernel {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using ElementA = cutlass::bfloat16_t;
@@ -36,18 +52,18 @@ struct Kernel {
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 8;
   static constexpr int kAlignC = 16 / sizeof(ElementOut);
-  using TileShape = cute::Shape<_128, _256, _64>;
+  using TileShape = typename Schedule::TileShape;
   using ClusterShape = cute::Shape<_1, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, LayoutC*, kAlignC, ElementOut,
-      LayoutC*, kAlignC, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      LayoutC*, kAlignC, typename Schedule::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB, LayoutB*, kAlignAB,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::MainloopSchedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
