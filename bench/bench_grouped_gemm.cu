@@ -13,18 +13,18 @@
 #include "bench/bench_util.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/grouped_gemm.h"
+#include "moe/elementwise.h"
 
 using namespace epx;
 using bench::JsonLine;
 
 namespace {
 
+// Filled on the device: the DeepSeek-V3 shapes hold gigabytes of weights.
 Tensor device_random(Shape s, DType dt, uint32_t seed, double scale) {
-  Tensor h = Tensor::empty(s, dt);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> n(0.0f, static_cast<float>(scale));
-  for (int64_t i = 0; i < h.numel(); ++i) store_from_double(h.data(), dt, i, n(rng));
-  return h.to(Device::cuda(0));
+  Tensor t = Tensor::empty(s, dt, Device::cuda(0));
+  detail::fill_normal(t, seed, 0, scale);
+  return t;
 }
 
 struct LayoutD {

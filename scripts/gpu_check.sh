@@ -124,15 +124,9 @@ if has layer; then
   cat "$OUT/layer.jsonl"
 fi
 if has profile; then
-  # Where the layer's time goes: a kernel summary of a few forward+backward steps on one GPU.
-  if command -v nsys >/dev/null 2>&1; then
-    timeout 240 nsys profile -t cuda --stats=false -o "$OUT/layer_profile" -f true \
-      "$BUILD/bin/epx" bench layer --ranks 1 --preset "${PROFILE_PRESET:-deepseek-v3}" --iters 3 >"$OUT/profile.log" 2>&1
-    nsys stats -r cuda_gpu_kern_sum -f csv -o "$OUT/layer_kernels" "$OUT/layer_profile.nsys-rep" >>"$OUT/profile.log" 2>&1
-    rm -f "$OUT/layer_profile.nsys-rep" "$OUT/layer_profile.sqlite"
-    head -30 "$OUT"/layer_kernels*.csv
-  else
-    summary "profile: nsys not found"
-  fi
+  # Where the layer's time goes: EPX_PROFILE=1 records stream events between the layer's phases.
+  EPX_PROFILE=1 timeout 300 "$BUILD/bin/epx" bench layer --preset "${PROFILE_PRESET:-deepseek-v3,mixtral}" --iters 5 \
+    >"$OUT/profile.jsonl" 2>"$OUT/profile.err" || summary "profile failed rc=$?"
+  cat "$OUT/profile.jsonl"
 fi
 cat "$OUT/summary.txt"

@@ -69,6 +69,12 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     const double fwd = time_us(dev, iters, [&] { run.forward(); });
     const double fwd_bwd = time_us(dev, iters, [&] { run.forward_backward(); });
     group.check();
+    std::string phases = "{}";
+    if (detail::profiling_enabled()) {  // a separate pass: the events must not disturb the timings above
+      detail::phase_report();
+      for (int i = 0; i < iters; ++i) run.forward_backward();
+      phases = detail::phase_report();
+    }
     const double mem = static_cast<double>(detail::device_memory_used(dev));
     const double flops = 3.0 * run.forward_gemm_flops();  // forward + dgrad + wgrad
     const double floor_us = flops / dense * 1e6;
@@ -77,12 +83,14 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
                   "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
                   "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
                   "\"tensor_core_floor_us\":%.1f,\"fwd_bwd_over_floor\":%.3f,\"achieved_tflops_fwd_bwd\":%.1f,"
-                  "\"gpu_mem_used_gb\":%.2f,\"gpu_mem_layer_gb\":%.2f,\"registered_gb\":%.3f,\"iters\":%d}\n",
+                  "\"gpu_mem_used_gb\":%.2f,\"gpu_mem_layer_gb\":%.2f,\"registered_gb\":%.3f,\"iters\":%d,"
+                  "\"phases_ms_total\":%s}\n",
                   p.name.c_str(), group.size(), static_cast<long long>(T), static_cast<long long>(c.hidden),
                   static_cast<long long>(c.ffn_hidden), static_cast<long long>(c.shared_ffn_hidden),
                   c.router.num_experts, c.router.topk, transport_name(group.transport()), fwd, fwd_bwd, flops / 1e12,
                   dense / 1e12, floor_us, fwd_bwd / floor_us, flops / (fwd_bwd * 1e-6) / 1e12, mem / 1e9,
-                  (mem - static_cast<double>(used_before_layer)) / 1e9, group.registered_bytes() / 1e9, iters);
+                  (mem - static_cast<double>(used_before_layer)) / 1e9, group.registered_bytes() / 1e9, iters,
+                  phases.c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -1,6 +1,13 @@
 #include "core/device_memory.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "epx/error.h"
 
@@ -99,6 +106,71 @@ size_t device_memory_used(int device) {
   return total_b - free_b;
 }
 
+bool profiling_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EPX_PROFILE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+namespace {
+thread_local std::string t_phase_prefix;
+struct PhaseEvent {
+  cudaEvent_t event;
+  std::string name;  // the phase this event ends ("" = a start)
+};
+struct Profile {
+  std::mutex mu;
+  std::map<cudaStream_t, std::vector<PhaseEvent>> marks;
+};
+Profile& profile() {
+  static Profile p;
+  return p;
+}
+}  // namespace
+
+void phase_mark(Stream stream, const char* name) {
+  if (!profiling_enabled()) return;
+  cudaEvent_t e = nullptr;
+  cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+  cuda_check(cudaEventRecord(e, static_cast<cudaStream_t>(stream.handle)), "cudaEventRecord");
+  Profile& p = profile();
+  std::lock_guard<std::mutex> lk(p.mu);
+  p.marks[static_cast<cudaStream_t>(stream.handle)].push_back({e, *name ? t_phase_prefix + name : std::string()});
+}
+
+std::string phase_report() {
+  if (!profiling_enabled()) return "{}";
+  Profile& p = profile();
+  std::lock_guard<std::mutex> lk(p.mu);
+  std::vector<std::pair<std::string, double>> order;  // first-seen order of the phases
+  for (auto& [stream, events] : p.marks) {
+    for (size_t i = 0; i < events.size(); ++i) {
+      cuda_check(cudaEventSynchronize(events[i].event), "cudaEventSynchronize");
+      if (i > 0 && !events[i].name.empty()) {
+        float ms = 0;
+        cuda_check(cudaEventElapsedTime(&ms, events[i - 1].event, events[i].event), "cudaEventElapsedTime");
+        auto it = std::find_if(order.begin(), order.end(), [&](const auto& o) { return o.first == events[i].name; });
+        if (it == order.end()) order.emplace_back(events[i].name, ms);
+        else it->second += ms;
+      }
+    }
+    for (auto& e : events) cudaEventDestroy(e.event);
+  }
+  p.marks.clear();
+  std::string out = "{";
+  char buf[64];
+  for (size_t i = 0; i < order.size(); ++i) {
+    std::snprintf(buf, sizeof buf, "%.3f", order[i].second);
+    out += (i ? ",\"" : "\"") + order[i].first + "\":" + buf;
+  }
+  return out + "}";
+}
+
+PhasePrefix::PhasePrefix(const char* prefix) : saved_(t_phase_prefix) { t_phase_prefix += prefix; }
+PhasePrefix::~PhasePrefix() { t_phase_prefix = saved_; }
+
 #else  // CPU-only build
 
 bool cuda_backend_built() { return false; }
@@ -125,6 +197,11 @@ void device_synchronize(int) {
   throw Error(Status::kNotSupported, "epx: device synchronize requested but epx was built without the CUDA backend");
 }
 size_t device_memory_used(int) { return 0; }
+bool profiling_enabled() { return false; }
+void phase_mark(Stream, const char*) {}
+PhasePrefix::PhasePrefix(const char*) {}
+PhasePrefix::~PhasePrefix() = default;
+std::string phase_report() { return "{}"; }
 
 #endif
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "epx/tensor.h"
 
@@ -20,5 +21,26 @@ void memset_bytes(void* dst, Device device, int value, size_t bytes);
 void device_synchronize(int device);
 /// Bytes in use on the device by every process and context (total - free): what a job sees.
 size_t device_memory_used(int device);
+
+/// Where a GPU op sequence spends its time, when EPX_PROFILE=1: phase_mark(stream, "name") records
+/// an event on the stream ending the phase that began at the previous mark of that stream;
+/// phase_report() synchronises, adds the phases up and returns them as one JSON object
+/// ({"name": ms, ...}, summed over calls) and starts over. Without EPX_PROFILE both cost nothing
+/// (no event, no synchronisation), so the marks stay in hot paths.
+bool profiling_enabled();
+void phase_mark(Stream stream, const char* name);
+std::string phase_report();
+/// Prefixes the names of the marks this thread records while it lives (e.g. "shared." for the
+/// shared experts, whose FFN marks would otherwise add up with the routed experts').
+class PhasePrefix {
+ public:
+  explicit PhasePrefix(const char* prefix);
+  ~PhasePrefix();
+  PhasePrefix(const PhasePrefix&) = delete;
+  PhasePrefix& operator=(const PhasePrefix&) = delete;
+
+ private:
+  std::string saved_;
+};
 
 }  // namespace epx::detail

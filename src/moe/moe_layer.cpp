@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/device_memory.h"
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "moe/elementwise.h"
@@ -180,6 +181,10 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   s.x = x;
   s.used_by_backward = false;
   s.handle = Handle();  // gives the routing block back before prepare takes one (same addresses)
+  auto mark = [&](const char* name) {
+    if (dev.is_cuda()) detail::phase_mark(stream, name);
+  };
+  mark("");
 
   // Router.
   ensure(s.logits, {T, E}, gt, dev);
@@ -191,11 +196,14 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   s.stats.prob_sum = sub(s.stats_buffer, 2, {S, E});
   s.stats.counts = sub(s.stats_buffer, 2 + S * E, {S, E});
   route_forward(c.router, s.logits, params_.expert_bias, s.topk_idx, s.topk_weights, s.stats, stream);
+  mark("fwd.gate_route");
   s.handle = prepare(group_, s.topk_idx, s.topk_weights, c.capacity, stream);
+  mark("fwd.prepare");
   count_routed(c.router, s.handle.routed_experts(), s.stats, stream);
   all_reduce_sum(group_, c.router.aux_loss == AuxLossType::kSequence ? s.stats.scalars : s.stats_buffer.ref(), stream);
   ensure(s.losses, {2}, gt, dev);
   router_losses(c.router, s.stats, s.losses, stream);
+  mark("fwd.stats_losses");
 
   // Routed experts.
   const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
@@ -216,6 +224,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     dispatch_forward(group_, s.handle, s.x_q, s.x_scales, s.topk_weights, s.recv_x, s.recv_scales, s.recv_weights,
                      stream);
   }
+  mark("fwd.dispatch");
   ensure(s.a, {cap, P, F}, c.dtype, dev);
   ensure(s.h, {cap, F}, c.dtype, dev);
   ensure(s.y, {cap, H}, c.dtype, dev);
@@ -223,8 +232,13 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
                 params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
-  expert_mlp_forward(mc, mt, stream);
+  {
+    detail::PhasePrefix in_ffn("fwd.ffn.");
+    expert_mlp_forward(mc, mt, stream);
+  }
+  mark("fwd.ffn");
   combine_forward(group_, s.handle, s.y, c.apply_weights_early ? TensorRef() : s.recv_weights.ref(), out, stream);
+  mark("fwd.combine");
 
   // Shared experts: one dense FFN over all tokens, as a one-group grouped FFN.
   if (c.shared_ffn_hidden > 0) {
@@ -240,8 +254,12 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     ensure(s.shared_y, {T, H}, c.dtype, dev);
     MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
-    expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, stream);
+    {
+      detail::PhasePrefix in_shared("fwd.shared.");
+      expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, stream);
+    }
     detail::add(out, s.shared_y, out, stream);
+    mark("fwd.shared");
   }
 }
 
@@ -258,6 +276,10 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   check_device(fn, "d_x", d_x, dev);
   const DType gt = accum_dtype(c.dtype);
   const int64_t cap = group_.recv_capacity_rows();
+  auto mark = [&](const char* name) {
+    if (dev.is_cuda()) detail::phase_mark(stream, name);
+  };
+  mark("");
 
   // Routed experts, from the output back to the tokens.
   const Tensor& d_y = ensure(s.d_y, {cap, H}, c.dtype, dev);
@@ -265,16 +287,22 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   const TensorRef combine_weights = c.apply_weights_early ? TensorRef() : s.recv_weights.ref();
   combine_backward(group_, s.handle, d_out, s.y, combine_weights, d_y,
                    c.apply_weights_early ? TensorRef() : d_recv_weights.ref(), stream);
+  mark("bwd.combine");
   const Tensor& d_recv_x = ensure(s.d_recv_x, {cap, H}, c.dtype, dev);
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
                 params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
   MlpGrads mg{d_y, d_recv_x, c.apply_weights_early ? d_recv_weights.ref() : TensorRef(),
               grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
-  expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision}, mt, mg, stream);
+  {
+    detail::PhasePrefix in_ffn("bwd.ffn.");
+    expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision}, mt, mg, stream);
+  }
+  mark("bwd.ffn");
   const Tensor& d_x_routed = ensure(s.d_x_routed, {T, H}, c.dtype, dev);
   const Tensor& d_topk_weights = ensure(s.d_topk_weights, {T, K}, gt, dev);
   dispatch_backward(group_, s.handle, d_recv_x, d_recv_weights, d_x_routed, d_topk_weights, stream);
+  mark("bwd.dispatch");
 
   // Router and gate.
   const Tensor& d_logits = ensure(s.d_logits, {T, E}, gt, dev);
@@ -286,16 +314,22 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   const Tensor& d_x_acc = ensure(s.d_x_acc, {T, H}, gt, dev);
   gemm(d_logits_dt, params_.gate, d_x_acc, false, true, false, stream);
   detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
+  mark("bwd.route_gate");
 
   if (c.shared_ffn_hidden > 0) {
     const Tensor& d_x_shared = ensure(s.d_x_shared, {T, H}, c.dtype, dev);
     MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
     MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
-    expert_mlp_backward(MlpConfig{c.activation, false, c.precision}, st, sg, stream);
+    {
+      detail::PhasePrefix in_shared("bwd.shared.");
+      expert_mlp_backward(MlpConfig{c.activation, false, c.precision}, st, sg, stream);
+    }
     detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
+    mark("bwd.shared");
   }
   detail::cast(d_x_acc, d_x, stream);
+  mark("bwd.finish");
   s.used_by_backward = true;
 }
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <mutex>
 
+#include "core/device_memory.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/gemm/expert_mlp_cuda.h"
@@ -265,12 +266,15 @@ void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream str
   const int32_t* rows = t.rows.ptr<int32_t>();
   grouped_forward_bf16({t.x.data(), H, 0}, {t.w_in.data(), P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows,
                        G, R, stream);
+  detail::phase_mark(stream, "fc1");
   act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
       c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
       static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
   EPX_CHECK_LAUNCH("act_forward_kernel");
+  detail::phase_mark(stream, "act");
   grouped_forward_bf16({t.h.data(), F, 0}, {t.w_out.data(), H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream);
+  detail::phase_mark(stream, "fc2");
 }
 
 void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, Stream stream) {
@@ -290,19 +294,24 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   __nv_bfloat16* d_h = scratch(0, static_cast<size_t>(R) * F);
   __nv_bfloat16* d_a = scratch(1, static_cast<size_t>(R) * PF);
   grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
+  detail::phase_mark(stream, "dgrad_fc2");
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, R, off, rows, G,
       c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<const __nv_bfloat16*>(t.a.data()), d_h,
       d_a, c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr);
   EPX_CHECK_LAUNCH("act_backward_kernel");
+  detail::phase_mark(stream, "act");
   // d_x [rows, H] = d_a [rows, P*F] . w_in_g^T, w_in_g [H, P*F] row-major.
   grouped_dgrad_bf16({d_a, PF, 0}, {t.w_in.data(), PF, H * PF}, d.d_x.data(), H, PF, H, off, rows, G, R, stream);
   zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
+  detail::phase_mark(stream, "dgrad_fc1");
   zero_empty_groups(d.d_w_out, F * H, rows, G, s);
   zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
   wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
+  detail::phase_mark(stream, "wgrad_fc2");
   wgrad({t.x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, stream);
+  detail::phase_mark(stream, "wgrad_fc1");
 }
 
 void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
