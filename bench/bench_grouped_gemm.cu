@@ -109,6 +109,7 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
       {"pingpong", "fp32", [&] { cuda::grouped_wgrad_bf16_pingpong(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {}); }},
       {"cooperative", "bf16", [&] { cuda::grouped_wgrad_bf16_out(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"pingpong", "bf16", [&] { cuda::grouped_wgrad_bf16_out_pingpong(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+      {"cluster2x1", "bf16", [&] { cuda::grouped_wgrad_bf16_out_cluster(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
   };
   for (const Variant& v : variants) {
     const double t = bench::time_us([&](int) { v.fn(); }, 10, 5, 2);

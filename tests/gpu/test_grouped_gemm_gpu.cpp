@@ -119,9 +119,12 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   cuda::grouped_wgrad_bf16_pingpong(a, d, p32.ptr<float>(), K * N, K, N, o, r, G, {});
   cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, o, r, G, {});
   cuda::grouped_wgrad_bf16_out_pingpong(a, d, p16.data(), K * N, K, N, o, r, G, {});
+  Tensor k16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
+  cuda::grouped_wgrad_bf16_out_cluster(a, d, k16.data(), K * N, K, N, o, r, G, {});
   EXPECT_LT(rel_err(c32, dw_ref), 1e-2);
   EXPECT_TRUE(testing::bit_equal(p32, c32)) << "ping-pong vs cooperative, fp32 out";
   EXPECT_TRUE(testing::bit_equal(p16, c16)) << "ping-pong vs cooperative, bf16 out";
+  EXPECT_TRUE(testing::bit_equal(k16, c16)) << "2x1 clusters vs cooperative, bf16 out";
   Tensor h32 = to_host(c32), h16 = to_host(c16), rounded = Tensor::empty({G, K, N}, DType::kBF16);
   for (int64_t i = 0; i < h32.numel(); ++i) store_from_double(rounded.data(), DType::kBF16, i, h32.item(i));
   EXPECT_TRUE(testing::bit_equal(h16, rounded)) << "bf16 out must be the fp32 accumulator rounded once";

@@ -199,15 +199,19 @@ void zero_empty_groups(const TensorRef& out, int64_t group_elems, const int32_t*
 // Weight gradient of one grouped operand pair into fp32 or bf16 (the dtype of dw).
 void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem_offset, int64_t group_stride,
            int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, Stream stream) {
-  const bool pp = wgrad_schedule() == WgradSchedule::kPingpong;
+  const WgradSchedule sched = wgrad_schedule();
   if (dw.dtype() == DType::kF32) {
     float* out = dw.ptr<float>() + elem_offset;
-    if (pp) grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
-    else grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    if (sched == WgradSchedule::kCooperative) grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    else grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
   } else {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
-    if (pp) grouped_wgrad_bf16_out_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
-    else grouped_wgrad_bf16_out(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    if (sched == WgradSchedule::kPingpong)
+      grouped_wgrad_bf16_out_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    else if (sched == WgradSchedule::kCluster)
+      grouped_wgrad_bf16_out_cluster(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    else
+      grouped_wgrad_bf16_out(a, d, out, group_stride, K, N, offsets, rows, G, stream);
   }
 }
 
@@ -249,8 +253,9 @@ WgradSchedule wgrad_schedule() {
     const std::string s(v);
     if (s == "pingpong") return WgradSchedule::kPingpong;
     if (s == "cooperative") return WgradSchedule::kCooperative;
+    if (s == "cluster") return WgradSchedule::kCluster;
     throw Error(Status::kInvalidArgument,
-                detail::concat("epx: EPX_WGRAD_KERNEL is \"", s, "\", expected cooperative or pingpong"));
+                detail::concat("epx: EPX_WGRAD_KERNEL is \"", s, "\", expected cooperative, pingpong or cluster"));
   }();
   return chosen;
 }

@@ -42,9 +42,15 @@ void grouped_wgrad_bf16_out_pingpong(GroupedOperand a, GroupedOperand d, void* o
                                      int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
                                      Stream stream);
 
-/// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=cooperative|pingpong
-/// (read once), else the default.
-enum class WgradSchedule { kCooperative, kPingpong };
+/// bf16 out on 2x1 clusters sharing B by multicast (cooperative tiles).
+void grouped_wgrad_bf16_out_cluster(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
+                                    int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                    Stream stream);
+
+/// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=cooperative|pingpong|cluster
+/// (read once; cluster = cooperative 2x1 clusters for bf16 gradients, ping-pong for fp32), else
+/// the default.
+enum class WgradSchedule { kCooperative, kPingpong, kCluster };
 WgradSchedule wgrad_schedule();
 
 }  // namespace epx::cuda

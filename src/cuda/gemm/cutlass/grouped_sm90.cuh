@@ -32,6 +32,7 @@ enum class Mode { kForward, kDgrad, kWgrad };
 // contraction (forward, dgrad).
 struct Cooperative {
   using TileShape = cute::Shape<_128, _256, _64>;
+  using ClusterShape = cute::Shape<_1, _1, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -40,8 +41,18 @@ struct Cooperative {
 // expert writes a whole [K, N] gradient per expert).
 struct Pingpong {
   using TileShape = cute::Shape<_128, _128, _64>;
+  using ClusterShape = cute::Shape<_1, _1, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// Cooperative tiles in pairs along M that share their B tile through TMA multicast: half the B
+// traffic from L2, for GEMMs whose short contraction leaves them bound by operand loads (wgrad).
+struct CooperativeCluster2x1 {
+  using TileShape = cute::Shape<_128, _256, _64>;
+  using ClusterShape = cute::Shape<_2, _1, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
 template <class LayoutA, class LayoutB, class ElementOut, class Schedule = Cooperative>
@@ -53,7 +64,7 @@ struct Kernel {
   static constexpr int kAlignAB = 8;
   static constexpr int kAlignC = 16 / sizeof(ElementOut);
   using TileShape = typename Schedule::TileShape;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using ClusterShape = typename Schedule::ClusterShape;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, LayoutC*, kAlignC, ElementOut,
