@@ -192,6 +192,31 @@ __device__ __forceinline__ void load_bias(float (&bias)[V], const float* s_bias,
   }
 }
 
+// The last block: lse^2 and the token count over every block's leaf, in a fixed order.
+__device__ __forceinline__ void finish_scalars(const FwdParams& p, float* s_f, unsigned long long* s_n) {
+  const int tid = threadIdx.x;
+  float v = 0.0f;
+  unsigned long long n = 0;
+  for (unsigned b = tid; b < gridDim.x; b += kThreads) {
+    v += __ldcg(p.leaf_lse + b);
+    n += __ldcg(p.leaf_cnt + b);
+  }
+  s_f[tid] = v;
+  s_n[tid] = n;
+  __syncthreads();
+  for (int off = kThreads / 2; off > 0; off >>= 1) {
+    if (tid < off) {
+      s_f[tid] += s_f[tid + off];
+      s_n[tid] += s_n[tid + off];
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    p.scalars[0] = s_f[0];
+    p.scalars[1] = static_cast<float>(s_n[0]);
+  }
+}
+
 // V: experts per lane; TPW: tokens per warp (2: a half-warp per token; then K <= 15, E <= 16 V,
 // and groups, if any, aligned to lanes -- the launcher checks).
 template <int V, class LT, int SF, int TPW>
@@ -259,6 +284,11 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     }
   }
   const int my_group = grouped ? e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
+  // Global statistics over several chunks: every block is exactly one chunk (grid = nchunks), so
+  // the last chunk to arrive is also the last block, and one ticket finishes both prob_sum and the
+  // scalars (one fence and one atomic round trip less on the kernel's tail).
+  const bool merged = want_prob && want_scal && p.nchunks == p.bps && p.bps > 1 &&
+                      p.nchunks == static_cast<int64_t>(gridDim.x);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
@@ -536,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
           c2 = won ? c3 : c2;
           c3 = won ? 0u : c3;
         }
-        const uint32_t after = __shfl_down_sync(tl.mask, slot, 1);
+        const uint32_t after = __shfl_down_sync(tl.mask, slot, 1, LPT);  // the token's last lane keeps its own
         const bool collide = hl < K && after > IM && (slot >> IB) == (after >> IB);
         const bool exhausted = more && c1 == 0u;
         int id;
@@ -608,6 +638,10 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
           atomicAdd(acc_row + e, static_cast<unsigned long long>(__float2ll_rn(v * kFixedScale)));
       }
       if (p.bps > 1) {
+        if (merged && tid == 0) {
+          p.leaf_lse[blockIdx.x] = s_blk_lse;
+          p.leaf_cnt[blockIdx.x] = s_blk_cnt;
+        }
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -628,13 +662,14 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
             }
             p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
           }
+          if (merged) finish_scalars(p, &s_red[0][0], s_n);  // block-uniform (s_flag)
         }
       }
     }
     __syncthreads();  // s_red and s_flag are reused by the next chunk
   }
 
-  if (want_scal) {
+  if (want_scal && !merged) {
     if (tid == 0) {
       p.leaf_lse[blockIdx.x] = s_blk_lse;
       p.leaf_cnt[blockIdx.x] = s_blk_cnt;
@@ -647,27 +682,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     __syncthreads();
     if (s_flag) {
       __threadfence();
-      float v = 0.0f;
-      unsigned long long n = 0;
-      for (unsigned b = tid; b < gridDim.x; b += kThreads) {
-        v += __ldcg(p.leaf_lse + b);
-        n += __ldcg(p.leaf_cnt + b);
-      }
-      float* s_f = &s_red[0][0];  // >= kThreads floats
-      s_f[tid] = v;
-      s_n[tid] = n;
-      __syncthreads();
-      for (int off = kThreads / 2; off > 0; off >>= 1) {
-        if (tid < off) {
-          s_f[tid] += s_f[tid + off];
-          s_n[tid] += s_n[tid + off];
-        }
-        __syncthreads();
-      }
-      if (tid == 0) {
-        p.scalars[0] = s_f[0];
-        p.scalars[1] = static_cast<float>(s_n[0]);
-      }
+      finish_scalars(p, &s_red[0][0], s_n);  // s_red holds >= kThreads floats
     }
   }
 }
