@@ -665,10 +665,14 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
           __threadfence();
           unsigned long long* first = p.acc + s * rep * kMaxExperts;
           for (int e = tid; e < E; e += kThreads) {
+            unsigned long long v[kAccReplicas];  // every replica's load in flight at once
+#pragma unroll
+            for (int r = 0; r < kAccReplicas; ++r) v[r] = r < rep ? __ldcg(first + r * kMaxExperts + e) : 0ull;
             unsigned long long total = 0;
-            for (int r = 0; r < rep; ++r) {
-              total += __ldcg(first + r * kMaxExperts + e);
-              __stcg(first + r * kMaxExperts + e, 0ull);
+#pragma unroll
+            for (int r = 0; r < kAccReplicas; ++r) {
+              total += v[r];
+              if (r < rep) __stcg(first + r * kMaxExperts + e, 0ull);
             }
             p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
           }
