@@ -89,8 +89,11 @@ void report(const char* op, const LayoutShape& s, int R, cuda::LayoutKernel k, c
   j.add("drop", s.drop == DropPolicy::kByProbability ? "probability" : "position");
   j.add("us", t.graph_us).add("us_stream", t.stream_us).add("bytes", bytes);
   j.add("gb_per_s", bytes / t.graph_us * 1e-3).add("hbm_fraction", bytes / (t.graph_us * 1e-6) / hbm);
+  // The 15 us target (and the legacy 21.0 us) are for the public prepare launched eagerly, as
+  // bench_permute times it; the kernel-only lines are judged on the graph time.
   if (target_us > 0)
-    j.add("target_us", target_us).add("meets_target", std::min(t.graph_us, t.stream_us) <= target_us);
+    j.add("target_us", target_us)
+        .add("meets_target", (std::strcmp(op, "prepare") == 0 ? t.stream_us : t.graph_us) <= target_us);
   j.print();
 }
 

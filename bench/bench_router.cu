@@ -16,7 +16,7 @@
 //
 // Prediction for the fast kernels (written before any run, from SASS instruction counts of the
 // hot path, no GPU where this was written): ~400 warp instructions per token for softmax top-8
-// with statistics and ~430 for DeepSeek-V3 with two tokens per warp (~520 / ~600 with one), against
+// with statistics and ~450 for DeepSeek-V3 with two tokens per warp (~520 / ~600 with one), against
 // ~800+ for the legacy kernel; issue-bound at 132 SMs x 4 schedulers that is ~6-7 us plus ~1 us of
 // launch and tail, so ~8-10 us for both targets (legacy measured 31.4 / 50.8 us).
 //

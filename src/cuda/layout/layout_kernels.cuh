@@ -343,6 +343,24 @@ __device__ __forceinline__ void wait_for_lower(const unsigned long long* flags, 
   __syncthreads();
 }
 
+// Sum of rows[j * stride + col] over j < n (n <= kMaxLayoutBlocks), written by other blocks of this
+// launch (ld.cg). Loads go out 32 at a time so that the look-back costs two L2 round trips, not one
+// per few rows; integer addition makes the order irrelevant.
+__device__ __forceinline__ int32_t sum_column(const int32_t* rows, int stride, int col, int n) {
+  static_assert(kMaxLayoutBlocks <= 64, "two batches of 32");
+  int32_t total = 0;
+#pragma unroll
+  for (int j0 = 0; j0 < kMaxLayoutBlocks; j0 += 32) {
+    if (j0 >= n) break;
+    int32_t v[32];
+#pragma unroll
+    for (int u = 0; u < 32; ++u) v[u] = j0 + u < n ? __ldcg(rows + static_cast<int64_t>(j0 + u) * stride + col) : 0;
+#pragma unroll
+    for (int u = 0; u < 32; ++u) total += v[u];
+  }
+  return total;
+}
+
 // Tokens [t0, t1) of the chunk against their destination masks bits[t - t0]: with `write`, token
 // t's slot among the chunk's tokens to rank d (token order), plus base[d], goes to token_slot;
 // either way tokcnt[d] ends as the chunk's number of tokens to d. tokcnt must be zero on entry.
@@ -496,17 +514,9 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(Params p) {
   if (threadIdx.x == 0) p.block_bad[b] = s_bad;
   publish(p.sync + 1 + b, flag_value(g, 0, b));
   wait_for_lower(p.sync + 1, g, 0, b);
-  for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
-    int32_t before = 0;
-    for (int j = 0; j < b; ++j) before += __ldcg(p.block_hist + j * p.E + e);
-    off[e] = before;
-  }
+  for (int e = threadIdx.x; e < p.E; e += blockDim.x) off[e] = sum_column(p.block_hist, p.E, e, b);
   if (dropless)
-    for (int d = threadIdx.x; d < p.R; d += blockDim.x) {
-      int32_t before = 0;
-      for (int j = 0; j < b; ++j) before += __ldcg(p.block_tok + j * p.R + d);
-      tokoff[d] = before;
-    }
+    for (int d = threadIdx.x; d < p.R; d += blockDim.x) tokoff[d] = sum_column(p.block_tok, p.R, d, b);
   __syncthreads();
 
   // ---- C: positions, capacity, token slots ----
@@ -531,11 +541,7 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(Params p) {
     for (int d = threadIdx.x; d < p.R; d += blockDim.x) p.block_tok[b * p.R + d] = tokcnt[d];
     publish(p.sync + 1 + kMaxLayoutBlocks + b, flag_value(g, 1, b));
     wait_for_lower(p.sync + 1 + kMaxLayoutBlocks, g, 1, b);
-    for (int d = threadIdx.x; d < p.R; d += blockDim.x) {
-      int32_t before = 0;
-      for (int j = 0; j < b; ++j) before += __ldcg(p.block_tok + j * p.R + d);
-      tokoff[d] = before;
-    }
+    for (int d = threadIdx.x; d < p.R; d += blockDim.x) tokoff[d] = sum_column(p.block_tok, p.R, d, b);
     __syncthreads();
   }
   token_pass(p, bits, t0, t1, wtok, tokrun, tokoff, true);
@@ -570,6 +576,12 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(Params p) {
       at += (static_cast<int64_t>(p.counts[e]) + p.align - 1) / p.align * p.align;
     }
   }
+  // First bad pair over every block: warp 0, two loads per lane, one redux.
+  int32_t bad = 0x7f7f7f7f;
+  if (threadIdx.x < 32) {
+    for (int j = threadIdx.x; j < static_cast<int>(gridDim.x); j += 32) bad = min(bad, __ldcg(p.block_bad + j));
+    bad = __reduce_min_sync(0xffffffffu, bad);
+  }
   if (threadIdx.x == 0) {
     if (p.local) p.expert_offsets[p.E] = static_cast<int32_t>(all);
     // status[0]: the overflow of the final routing (a multi-rank group fills it after the exchange).
@@ -577,8 +589,6 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(Params p) {
                       ? static_cast<int32_t>(all - p.recv_capacity)
                       : 0;
     if (p.pass != kPassSecond) {  // the ids as given are those of the first (or only) pass
-      int32_t bad = 0x7f7f7f7f;
-      for (int j = 0; j < static_cast<int>(gridDim.x); ++j) bad = min(bad, __ldcg(p.block_bad + j));
       int32_t id = 0, kind = 0;
       if (bad != 0x7f7f7f7f) {
         const int64_t e = load_id(p, bad);

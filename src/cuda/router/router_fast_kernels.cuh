@@ -1,32 +1,42 @@
-// route_forward, the fast kernel (the default; EPX_ROUTER_KERNEL=legacy selects
-// route_forward_kernel of router_kernels.cuh, whose notes on layout, keys and the top-k apply here
-// unchanged). Per token it computes exactly what the legacy kernel computes -- same expressions,
-// same summation orders, same selection -- so topk_idx and topk_weights are the same bits; it
-// issues far fewer instructions and waits less:
+// route_forward, the fast kernel (the default; EPX_ROUTER_KERNEL=fast1 forces one token per warp,
+// EPX_ROUTER_KERNEL=legacy selects route_forward_kernel of router_kernels.cuh, whose notes on keys
+// and the top-k apply here unchanged). Per token it computes exactly what the legacy kernel
+// computes -- same expressions, same summation orders, same selection -- so topk_idx and
+// topk_weights are the same bits; it issues far fewer instructions and waits less:
+//  - two tokens per warp where the shape allows (E <= 256, K <= 15, groups on whole lanes): a
+//    half-warp per token, each lane holding the experts of two legacy lanes; the legacy sums are
+//    reproduced bit for bit (two partial sums per lane, the butterfly's first four steps on half
+//    the lanes, then a + b), so the per-token arithmetic stays the same while every warp-wide step
+//    (max, sums, the K + 1 selection rounds, the weights) serves two tokens;
 //  - the row max is one redux.max over order keys (the lane's fmaxf, then its key) instead of a
 //    5-step shuffle butterfly, and the same redux tells a fully masked row (key 0) apart;
-//  - expf / sigmoid are evaluated for every element and then selected, so the per-element code is
-//    straight-line (the legacy kernel branched around each exponential);
+//  - expf / sigmoid are evaluated for every element and the ineligible (NaN) ones selected away,
+//    so the per-element code is straight-line (the legacy kernel branched around each exponential);
+//  - the sigmoid's correctly rounded reciprocals take their fast path inline when the token's
+//    range guarantees it (the same bits; __frcp_rn otherwise);
 //  - the sigmoid "far from the max" test is one fminf per element and one compare per lane
 //    (rounding is monotonic, so min(x) - max < -16 iff some x - max < -16);
-//  - in sigmoid mode the two warp sums (of exp, for the logsumexp, and of the scores, for the
+//  - in sigmoid mode the two sums (of exp, for the logsumexp, and of the scores, for the
 //    statistics) share one butterfly;
 //  - grouped selection with groups aligned to lanes (E/G a multiple of V, a power-of-two number of
 //    lanes per group: DeepSeek-V3's 8 groups of 32) merges each group's top-2 with an xor
-//    butterfly and ranks the groups with G shuffles, no shared memory; other shapes take the
-//    legacy code;
-//  - the bias of the lane's experts is read with vector loads from shared memory.
-// Launch: 4 blocks of 8 warps per SM (2 for V = 16), so that 512 chunks of T = 16384 run in one wave.
+//    butterfly and ranks the groups with G shuffles; other shapes take the legacy code (one token
+//    per warp);
+//  - 64-bit address arithmetic is hoisted out of the token loop; the bias is read with vector
+//    loads from shared memory.
+// Launch: 8 warps per block; 4 blocks per SM at 64 registers, 2 at 128 (two tokens per warp with
+// 16 experts per lane, or 16 with one).
 //
-// Statistics, deterministically and without a reduction tree. A block sums its warps' registers in
-// warp order (as before) into one row per chunk; a chunk that is a whole sequence writes prob_sum
-// itself. Otherwise the row is rounded to fixed point (2^-32 units, int64) and added with integer
-// atomics into acc[s][j % rep] (rep <= 8 replicas spread the contention): integer addition is
-// associative, so the order in which chunks arrive cannot change a bit. The last chunk of a sequence
-// to arrive (a ticket per sequence, reset by that chunk) converts the sum to fp32 and clears the
-// accumulators for the next launch. The result differs from the legacy tree's by the fixed-point
-// rounding (below 2^-33 per chunk and expert) and the fp32 rounding order; it is bit-identical run
-// to run. lse^2 and the token count keep the legacy per-block leaves and last-block sum.
+// Statistics, deterministically and without a reduction tree. A block sums its token streams'
+// registers in order (warp, then half-warp) into one row per chunk; a chunk that is a whole
+// sequence writes prob_sum itself. Otherwise the row is rounded to fixed point (2^-32 units, int64)
+// and added with integer atomics into acc[s][j % rep] (rep <= 8 replicas spread the contention):
+// integer addition is associative, so the order in which chunks arrive cannot change a bit. The
+// last chunk of a sequence to arrive (a ticket per sequence, reset by that chunk) converts the sum
+// to fp32 and clears the accumulators for the next launch. The result differs from the legacy
+// tree's by the fixed-point rounding (below 2^-33 per chunk and expert) and the fp32 rounding
+// order; it is bit-identical run to run. lse^2 and the token count keep the legacy per-block leaves
+// and last-block sum (in global mode under the same ticket as prob_sum).
 #pragma once
 
 #include "cuda/router/router_kernels.cuh"
@@ -192,6 +202,31 @@ __device__ __forceinline__ void load_bias(float (&bias)[V], const float* s_bias,
   }
 }
 
+// The last block: lse^2 and the token count over every block's leaf, in a fixed order.
+__device__ __forceinline__ void finish_scalars(const FwdParams& p, float* s_f, unsigned long long* s_n) {
+  const int tid = threadIdx.x;
+  float v = 0.0f;
+  unsigned long long n = 0;
+  for (unsigned b = tid; b < gridDim.x; b += kThreads) {
+    v += __ldcg(p.leaf_lse + b);
+    n += __ldcg(p.leaf_cnt + b);
+  }
+  s_f[tid] = v;
+  s_n[tid] = n;
+  __syncthreads();
+  for (int off = kThreads / 2; off > 0; off >>= 1) {
+    if (tid < off) {
+      s_f[tid] += s_f[tid + off];
+      s_n[tid] += s_n[tid + off];
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    p.scalars[0] = s_f[0];
+    p.scalars[1] = static_cast<float>(s_n[0]);
+  }
+}
+
 // V: experts per lane; TPW: tokens per warp (2: a half-warp per token; then K <= 15, E <= 16 V,
 // and groups, if any, aligned to lanes -- the launcher checks).
 template <int V, class LT, int SF, int TPW>
@@ -259,6 +294,11 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     }
   }
   const int my_group = grouped ? e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
+  // Global statistics over several chunks: every block is exactly one chunk (grid = nchunks), so
+  // the last chunk to arrive is also the last block, and one ticket finishes both prob_sum and the
+  // scalars (one fence and one atomic round trip less on the kernel's tail).
+  const bool merged = want_prob && want_scal && p.nchunks == p.bps && p.bps > 1 &&
+                      p.nchunks == static_cast<int64_t>(gridDim.x);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
@@ -536,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
           c2 = won ? c3 : c2;
           c3 = won ? 0u : c3;
         }
-        const uint32_t after = __shfl_down_sync(tl.mask, slot, 1);
+        const uint32_t after = __shfl_down_sync(tl.mask, slot, 1, LPT);  // the token's last lane keeps its own
         const bool collide = hl < K && after > IM && (slot >> IB) == (after >> IB);
         const bool exhausted = more && c1 == 0u;
         int id;
@@ -608,6 +648,10 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
           atomicAdd(acc_row + e, static_cast<unsigned long long>(__float2ll_rn(v * kFixedScale)));
       }
       if (p.bps > 1) {
+        if (merged && tid == 0) {
+          p.leaf_lse[blockIdx.x] = s_blk_lse;
+          p.leaf_cnt[blockIdx.x] = s_blk_cnt;
+        }
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -621,20 +665,25 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
           __threadfence();
           unsigned long long* first = p.acc + s * rep * kMaxExperts;
           for (int e = tid; e < E; e += kThreads) {
+            unsigned long long v[kAccReplicas];  // every replica's load in flight at once
+#pragma unroll
+            for (int r = 0; r < kAccReplicas; ++r) v[r] = r < rep ? __ldcg(first + r * kMaxExperts + e) : 0ull;
             unsigned long long total = 0;
-            for (int r = 0; r < rep; ++r) {
-              total += __ldcg(first + r * kMaxExperts + e);
-              __stcg(first + r * kMaxExperts + e, 0ull);
+#pragma unroll
+            for (int r = 0; r < kAccReplicas; ++r) {
+              total += v[r];
+              if (r < rep) __stcg(first + r * kMaxExperts + e, 0ull);
             }
             p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
           }
+          if (merged) finish_scalars(p, &s_red[0][0], s_n);  // block-uniform (s_flag)
         }
       }
     }
     __syncthreads();  // s_red and s_flag are reused by the next chunk
   }
 
-  if (want_scal) {
+  if (want_scal && !merged) {
     if (tid == 0) {
       p.leaf_lse[blockIdx.x] = s_blk_lse;
       p.leaf_cnt[blockIdx.x] = s_blk_cnt;
@@ -647,27 +696,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     __syncthreads();
     if (s_flag) {
       __threadfence();
-      float v = 0.0f;
-      unsigned long long n = 0;
-      for (unsigned b = tid; b < gridDim.x; b += kThreads) {
-        v += __ldcg(p.leaf_lse + b);
-        n += __ldcg(p.leaf_cnt + b);
-      }
-      float* s_f = &s_red[0][0];  // >= kThreads floats
-      s_f[tid] = v;
-      s_n[tid] = n;
-      __syncthreads();
-      for (int off = kThreads / 2; off > 0; off >>= 1) {
-        if (tid < off) {
-          s_f[tid] += s_f[tid + off];
-          s_n[tid] += s_n[tid + off];
-        }
-        __syncthreads();
-      }
-      if (tid == 0) {
-        p.scalars[0] = s_f[0];
-        p.scalars[1] = static_cast<float>(s_n[0]);
-      }
+      finish_scalars(p, &s_red[0][0], s_n);  // s_red holds >= kThreads floats
     }
   }
 }
