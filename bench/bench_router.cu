@@ -10,8 +10,8 @@
 // "us" times a CUDA graph of one call per rotated input (launch gaps removed), "us_stream" the
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
-// route_forward is timed with each kernel ("kernel": "fast" = the default, two tokens per warp
-// where the shape allows; "fast1" = the fast kernel with one token per warp; "legacy" = the
+// route_forward is timed with each kernel ("kernel": "fast1" = the default, the fast kernel with
+// one token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the
 // earlier kernel, EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
 //
 // Prediction for the fast kernels (written before any run, from SASS instruction counts of the

@@ -7,7 +7,8 @@
 # usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
-# BENCHES="bench_router bench_permute" narrows the bench step to those binaries.
+# BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
+# leaves out the PyTorch kernel baselines.
 # EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax; memcheck leaves out
 # the long multi-GPU scenario sweep and the timing-based late-rank test unless MEMCHECK_FILTER says).
 # mptests runs the one-process-per-GPU suite three times: both transports (multigpu.log), then
@@ -71,8 +72,10 @@ if has bench; then
     if [ -n "${BENCHES:-}" ] && ! [[ " $BENCHES " == *" $(basename "$b") "* ]]; then continue; fi
     timeout "${BENCH_TIMEOUT:-120}" "$b" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench: $(basename "$b") failed rc=$?"
   done
-  PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
-    summary "bench: torch baseline failed"
+  if [ -z "${SKIP_TORCH_KERNELS:-}" ]; then
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
+      summary "bench: torch baseline failed"
+  fi
   summary "bench: $(wc -l <"$OUT/bench.jsonl") JSON lines"
   cat "$OUT/bench.jsonl"
 fi

@@ -548,7 +548,7 @@ TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
             << w << ": scalars[0] got " << fs[0] << ", legacy " << ls[0];
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kFast);
+  cuda::set_router_kernel(cuda::RouterKernel::kFastOneTokenPerWarp);
 }
 
 // The default kernel's statistics at the benchmark shape, run to run and across the two fast
@@ -569,7 +569,7 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
                              std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
     }
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kFast);
+  cuda::set_router_kernel(cuda::RouterKernel::kFastOneTokenPerWarp);
 }
 
 // Without statistics tensors (no loss configured) only the routing is written.

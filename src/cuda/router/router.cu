@@ -105,9 +105,10 @@ RouterKernel resolve_router_kernel() {
   int k = g_router_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
     const char* v = std::getenv("EPX_ROUTER_KERNEL");
-    int want = static_cast<int>(RouterKernel::kFast);
+    // One token per warp measured fastest on H200 at every E from 64 to 512 (bench/NOTES.md).
+    int want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
     if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(RouterKernel::kLegacy);
-    if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
+    if (v != nullptr && std::strcmp(v, "fast") == 0) want = static_cast<int>(RouterKernel::kFast);
     int expected = -1;
     g_router_kernel.compare_exchange_strong(expected, want);
     k = g_router_kernel.load(std::memory_order_relaxed);

@@ -30,8 +30,8 @@ constexpr int kRouterMaxGroups = 16;
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
-/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "fast" (default: two tokens per
-/// warp where the shape allows, else one), "fast1" (the fast kernel, one token per warp always) or
+/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "fast1" (default: the fast
+/// kernel, one token per warp), "fast" (two tokens per warp where the shape allows, else one) or
 /// "legacy" (the earlier kernel), kept so that a GPU run and the tests can compare them. All give the
 /// same topk_idx and topk_weights bits; prob_sum and scalars[0] of the fast kernels differ from the
 /// legacy ones in rounding (each is deterministic run to run; see router_fast_kernels.cuh).
