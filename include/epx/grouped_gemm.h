@@ -79,6 +79,10 @@ struct MlpConfig {
   /// contraction dim), i.e. an FP8 GEMM with fp32 accumulation. x may arrive already quantized
   /// (fp8_e4m3 with x_scales, as a quantized dispatch delivers it); otherwise it is quantized here.
   MlpPrecision precision = MlpPrecision::kHigh;
+  /// Backward may use the saved a and h as its scratch (d_a over a, d_h over h), leaving them
+  /// overwritten: no extra [rows, (P+1)*F] buffers. A layer whose context is backpropagated once
+  /// sets it; the results are the same.
+  bool backward_consumes_saved = false;
 };
 
 /// Tensors of the expert FFN. Forward reads x, offsets, rows, row_weights (early only), the

@@ -107,7 +107,8 @@ class MoELayer {
   /// be captured in a CUDA graph and replayed. Keep one context per in-flight microbatch; x must
   /// stay valid until backward (it is read again there).
   void forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx, Stream stream = {});
-  /// d_out [T, H] -> d_x [T, H]; parameter gradients are written to grads() (overwritten).
+  /// d_out [T, H] -> d_x [T, H]; parameter gradients are written to grads() (overwritten). Once
+  /// per forward: backward consumes the context's saved activations (a second call is an error).
   /// d_aux and d_z seed the auxiliary losses (1 when they are added to the training loss).
   void backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux = 1.0,
                 double d_z = 1.0, Stream stream = {});

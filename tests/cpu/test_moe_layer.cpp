@@ -395,6 +395,10 @@ TEST(MoELayerErrors, BadInputs) {
   MoEContext ctx = L.forward(x4, o4);
   Tensor d3 = Tensor::zeros({3, c.hidden}, c.dtype);
   EXPECT_NE(what([&] { L.backward(ctx, d3, o4); }).find("d_out has shape [3, 8], expected [4, 8]"), std::string::npos);
+  Tensor d4 = Tensor::zeros({4, c.hidden}, c.dtype), dx4 = Tensor::zeros({4, c.hidden}, c.dtype);
+  L.backward(ctx, d4, dx4);
+  EXPECT_NE(what([&] { L.backward(ctx, d4, dx4); }).find("backward was already called on this context"),
+            std::string::npos);
   MoEConfig biased = c;
   biased.expert_bias_terms = true;
   MoELayer B(groups[0], biased);

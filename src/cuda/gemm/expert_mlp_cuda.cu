@@ -122,7 +122,8 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
   }
 }
 
-// One block per row: d_a from d_h (fp32) and the saved a; the row-weight gradient by a fixed
+// One block per row: d_a from d_h and the saved a (d_a may alias a: each element is read before it
+// is written, by the same thread); the row-weight gradient by a fixed
 // block reduction; padding rows get d_row_weights 0 and d_a 0.
 __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
                                     const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
@@ -296,8 +297,15 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   cudaStream_t s = to_cuda(stream);
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  __nv_bfloat16* d_h = scratch(0, static_cast<size_t>(R) * F);
-  __nv_bfloat16* d_a = scratch(1, static_cast<size_t>(R) * PF);
+  zero_empty_groups(d.d_w_out, F * H, rows, G, s);
+  zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
+  // wgrad of FC2 first: it is h's last reader, so d_h may then take h's place.
+  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
+  detail::phase_mark(stream, "wgrad_fc2");
+  const bool in_place = c.backward_consumes_saved;
+  __nv_bfloat16* d_h = in_place ? static_cast<__nv_bfloat16*>(t.h.data()) : scratch(0, static_cast<size_t>(R) * F);
+  // act_backward reads a[r] before it writes d_a[r] at the same elements, so d_a may take a's place.
+  __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data()) : scratch(1, static_cast<size_t>(R) * PF);
   grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
   detail::phase_mark(stream, "dgrad_fc2");
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
@@ -311,10 +319,6 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
   detail::phase_mark(stream, "dgrad_fc1");
-  zero_empty_groups(d.d_w_out, F * H, rows, G, s);
-  zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
-  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
-  detail::phase_mark(stream, "wgrad_fc2");
   wgrad({t.x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, stream);
   detail::phase_mark(stream, "wgrad_fc1");
 }
