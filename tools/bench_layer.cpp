@@ -118,13 +118,8 @@ int run_bench(const std::vector<std::string>& argv) {
   const long long tokens = args.integer("tokens", 0);
   const int iters = static_cast<int>(args.integer("iters", 10));
   require(iters >= 1 && tokens >= 0, "epx bench layer", "--iters must be >= 1 and --tokens >= 0");
-  if (started_by_launcher()) return bench_layer_rank(presets, tokens, iters);
-  const int R = static_cast<int>(args.integer("ranks", gpus));
-  require(R >= 1 && R <= gpus, "epx bench layer", "--ranks is ", R, ", expected 1..", gpus);
-  if (R == 1) return bench_layer_rank(presets, tokens, iters);
-  std::vector<std::string> child{"bench"};
-  child.insert(child.end(), argv.begin(), argv.end());
-  return run_local_ranks(R, child);
+  return run_on_local_gpus("bench", static_cast<int>(args.integer("ranks", gpus)), gpus, argv,
+                           [&] { return bench_layer_rank(presets, tokens, iters); });
 }
 
 }  // namespace epx::tools

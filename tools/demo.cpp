@@ -16,28 +16,22 @@
 #include <vector>
 
 #include "core/device_memory.h"
-#include "core/random.h"
 #include "epx/comm.h"
 #include "epx/moe.h"
 #include "epx/presets.h"
+#include "moe/elementwise.h"
 #include "core/version.h"
 #include "tools/args.h"
 #include "tools/commands.h"
 #include "tools/launch.h"
+#include "tools/layer_run.h"
 
 namespace epx::tools {
 namespace {
 
-std::vector<std::string> prepend(std::string first, const std::vector<std::string>& rest) {
-  std::vector<std::string> v{std::move(first)};
-  v.insert(v.end(), rest.begin(), rest.end());
-  return v;
-}
-
 Tensor host_normal(int64_t rows, int64_t cols, DType dt, uint64_t seed, uint64_t stream, double scale) {
   Tensor t = Tensor::empty({rows, cols}, dt);
-  for (int64_t i = 0; i < t.numel(); ++i)
-    store_from_double(t.data(), dt, i, scale * detail::counter_normal(seed, stream, static_cast<uint64_t>(i)));
+  detail::fill_normal(t, seed, stream, scale);
   return t;
 }
 
@@ -55,17 +49,6 @@ void sgd(const Tensor& p, const Tensor& g, double lr) {
   Tensor ph = p.to(Device::cpu()), gh = g.to(Device::cpu());
   for (int64_t i = 0; i < ph.numel(); ++i) store_from_double(ph.data(), ph.dtype(), i, ph.item(i) - lr * gh.item(i));
   copy(ph, p);
-}
-
-GroupConfig group_config(const ShapePreset& p, int64_t max_tokens, DType dt) {
-  GroupConfig gc;
-  gc.num_experts = p.experts;
-  gc.hidden = p.hidden;
-  gc.max_tokens_per_rank = static_cast<int>(max_tokens);
-  gc.max_topk = p.topk;
-  gc.max_dtype = dt;
-  gc.align = 16;
-  return gc;
 }
 
 }  // namespace
@@ -91,11 +74,8 @@ int run_demo(const std::vector<std::string>& argv) {
     o.seed = static_cast<uint64_t>(args.integer("seed", 1));
     o.lr = std::stod(args.str("lr", "0.02"));
     require(o.steps >= 1 && o.tokens >= 0, "epx demo", "--steps must be >= 1 and --tokens >= 1");
-    if (started_by_launcher()) return run_demo_gpu(o);
-    const int R = static_cast<int>(args.integer("ranks", gpus));
-    require(R >= 1 && R <= gpus, "epx demo", "--ranks is ", R, ", expected 1..", gpus, " (the visible GPUs)");
-    if (R == 1) return run_demo_gpu(o);
-    return run_local_ranks(R, prepend("demo", argv));
+    return run_on_local_gpus("demo", static_cast<int>(args.integer("ranks", gpus)), gpus, argv,
+                             [&] { return run_demo_gpu(o); });
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int R = static_cast<int>(args.integer("ranks", 4));
@@ -119,7 +99,7 @@ int run_demo(const std::vector<std::string>& argv) {
               static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(mc.ffn_hidden), preset.experts,
               preset.topk, preset.groups, preset.group_topk, static_cast<long long>(mc.shared_ffn_hidden), dtype_name(dt));
 
-  std::vector<Group> groups = Group::create_simulated(R, group_config(preset, T, dt));
+  std::vector<Group> groups = Group::create_simulated(R, layer_group_config(mc, T));
   std::vector<std::unique_ptr<MoELayer>> layers(R);
   std::vector<Tensor> x(R), target(R), out(R);
   for (int r = 0; r < R; ++r) {
@@ -133,7 +113,7 @@ int run_demo(const std::vector<std::string>& argv) {
   // Consistency: the R-rank layer against one rank holding every expert and every token.
   double single_err = 0;
   {
-    std::vector<Group> one = Group::create_simulated(1, group_config(preset, T * R, dt));
+    std::vector<Group> one = Group::create_simulated(1, layer_group_config(mc, T * R));
     MoELayer single(one[0], mc);
     single.init_params(seed, 0.1);
     Tensor xa = Tensor::empty({T * R, H}, dt), oa = Tensor::zeros({T * R, H}, dt);

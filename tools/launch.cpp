@@ -89,4 +89,15 @@ int run_local_ranks(int ranks, const std::vector<std::string>& args, int grace_s
   return worst;
 }
 
+int run_on_local_gpus(const char* command, int ranks, int gpus, const std::vector<std::string>& args,
+                      const std::function<int()>& rank_main) {
+  if (started_by_launcher()) return rank_main();
+  require(ranks >= 1 && ranks <= gpus, "epx ", command, ": --ranks is ", ranks, ", expected 1..", gpus,
+          " (the visible GPUs)");
+  if (ranks == 1) return rank_main();
+  std::vector<std::string> child{command};
+  child.insert(child.end(), args.begin(), args.end());
+  return run_local_ranks(ranks, child);
+}
+
 }  // namespace epx::tools

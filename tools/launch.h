@@ -2,6 +2,7 @@
 // `epx demo` and `epx bench` use every GPU of the machine with nothing but the epx binary.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,5 +18,11 @@ int launcher_rank();
 /// fails, the others are given `grace_s` seconds (their device waits time out and name the missing
 /// peer) before they are stopped.
 int run_local_ranks(int ranks, const std::vector<std::string>& args, int grace_s = 60);
+
+/// What a sub-command that uses every local GPU does: rank_main() here when a launcher started
+/// this process or when ranks == 1, else `ranks` copies of `epx <command> <args...>` through
+/// run_local_ranks. ranks must be 1..gpus (a clear error names the command otherwise).
+int run_on_local_gpus(const char* command, int ranks, int gpus, const std::vector<std::string>& args,
+                      const std::function<int()>& rank_main);
 
 }  // namespace epx::tools

@@ -44,8 +44,8 @@ LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t see
   const int64_t T = 64;
   const GroupConfig gc = layer_group_config(c, T);
 
-  auto gpu = std::make_unique<Group>(make_gpu_group(gc));
-  const int R = gpu->size(), me = gpu->rank();
+  Group gpu = make_gpu_group(gc);
+  const int R = gpu.size(), me = gpu.rank();
   require(c.router.num_experts % R == 0, "epx demo", "the reference check needs the ranks (", R,
           ") to divide its 32 experts");
   auto inputs = [&](int r, Device dev, Tensor& x, Tensor& d_out) {
@@ -78,15 +78,15 @@ LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t see
   });
 
   // The GPU layer, this rank.
-  MoELayer L(*gpu, c);
+  MoELayer L(gpu, c);
   L.init_params(seed, 0.1);
   sharpen(L);
   Tensor x, d_out;
-  inputs(me, gpu->device(), x, d_out);
-  Tensor out = Tensor::zeros({T, c.hidden}, c.dtype, gpu->device()), d_x = Tensor::zeros({T, c.hidden}, c.dtype, gpu->device());
+  inputs(me, gpu.device(), x, d_out);
+  Tensor out = Tensor::zeros({T, c.hidden}, c.dtype, gpu.device()), d_x = Tensor::zeros({T, c.hidden}, c.dtype, gpu.device());
   MoEContext ctx = L.forward(x, out);
   L.backward(ctx, d_out, d_x);
-  gpu->check();
+  gpu.check();
 
   LayerCheck res;
   res.out = compare(out, rout[me]);

@@ -87,6 +87,11 @@ void fill_normal(const Tensor& t, uint64_t seed, uint64_t stream, double stddev,
   detail::fill_normal(sub(t, offset, {count}), seed, stream, stddev);
 }
 
+// EPX_PROFILE phase boundaries; a host layer has no stream to mark.
+void mark_phase(Device dev, Stream stream, const char* name) {
+  if (dev.is_cuda()) detail::phase_mark(stream, name);
+}
+
 }  // namespace
 
 void MoEConfig::validate(const char* fn, const Group& group) const {
@@ -181,9 +186,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   s.x = x;
   s.used_by_backward = false;
   s.handle = Handle();  // gives the routing block back before prepare takes one (same addresses)
-  auto mark = [&](const char* name) {
-    if (dev.is_cuda()) detail::phase_mark(stream, name);
-  };
+  auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
   mark("");
 
   // Router.
@@ -280,9 +283,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   check_device(fn, "d_x", d_x, dev);
   const DType gt = accum_dtype(c.dtype);
   const int64_t cap = group_.recv_capacity_rows();
-  auto mark = [&](const char* name) {
-    if (dev.is_cuda()) detail::phase_mark(stream, name);
-  };
+  auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
   mark("");
 
   // Routed experts, from the output back to the tokens.

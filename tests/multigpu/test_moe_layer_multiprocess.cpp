@@ -2,21 +2,18 @@
 // check `epx demo` runs before training), and a few training steps whose loss must go down.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-
 #include "core/version.h"
 #include "epx/presets.h"
+#include "tools/launch.h"
 #include "tools/layer_check.h"
 #include "tools/layer_run.h"
 
 namespace epx {
 namespace {
 
-bool launched() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
-
 #define EPX_REQUIRE_LAYER_LAUNCH()                                                                      \
   do {                                                                                                  \
-    if (!launched()) GTEST_SKIP() << "not started by a launcher (RANK/WORLD_SIZE unset): use scripts/run_ranks.sh"; \
+    if (!tools::started_by_launcher()) GTEST_SKIP() << "not started by a launcher (RANK/WORLD_SIZE unset): use scripts/run_ranks.sh"; \
     if (!build_info().gpu_grouped_gemm) GTEST_SKIP() << "built without the CUTLASS grouped GEMMs";      \
   } while (0)
 
