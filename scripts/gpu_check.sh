@@ -4,7 +4,7 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
+# usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -15,6 +15,13 @@
 # EPX_TRANSPORT=staged (multigpu_staged.log), then staged with NCCL's P2P and shared-memory
 # transports disabled, so the exchange goes through NCCL's socket transport over loopback
 # (multigpu_staged_net.log).
+# MP_RANKS (default 2) sets the ranks of the multi-process suite; MP_RUNS="plain staged net" picks
+# which of its three runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
+# dispatch/combine at those token counts only (H=7168, E=256), on every local GPU.
+# SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
+# PyTorch layers (default: deepseek-v3 mixtral).
+# ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
+# DeepSeek-V3 router, fp32 logits; T = 4096 prepare) and writes each report's details and per-instruction SASS counters as text.
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +48,27 @@ if has build; then
     exit 1
   fi
   summary "build: ok in $(( $(date +%s) - t0 )) s"
+fi
+
+if has ncu; then
+  if command -v ncu >/dev/null 2>&1; then
+    ncu_one() {  # ncu_one NAME KERNEL_REGEX COUNT command...
+      local name=$1 rx=$2 cnt=$3
+      shift 3
+      timeout 300 ncu --clock-control none --set full --import-source no --kernel-name-base demangled \
+        -k "regex:$rx" -c "$cnt" -f -o "$OUT/ncu_$name" "$@" >"$OUT/ncu_$name.run.log" 2>&1 ||
+        summary "ncu $name: rc=$?"
+      ncu -i "$OUT/ncu_$name.ncu-rep" --page details >"$OUT/ncu_$name.details.txt" 2>&1
+      ncu -i "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_$name.sass.csv" 2>&1
+      rm -f "$OUT/ncu_$name.ncu-rep"
+    }
+    ncu_one router_softmax "route_forward_fast_kernel<8, float, 0, 1>" 1 "$BUILD/bin/bench_router"
+    ncu_one router_sigmoid "route_forward_fast_kernel<8, float, 2, 1>" 1 "$BUILD/bin/bench_router"
+    ncu_one layout "${NCU_LAYOUT:-layout_kernel}" 1 "$BUILD/bin/bench_layout" --tokens 4096 --experts 256 --topk 8
+    summary "ncu: $(ls "$OUT"/ncu_*.details.txt 2>/dev/null | wc -l) reports"
+  else
+    summary "ncu: not found"
+  fi
 fi
 
 if has tests; then
@@ -85,23 +113,34 @@ if has mptests; then
   run_mp() {
     local label=$1 log=$2
     shift 2
-    env "$@" timeout --kill-after=15 420 scripts/run_ranks.sh 2 "$BUILD/tests/epx_tests_multigpu" >"$OUT/$log" 2>&1
+    env "$@" timeout --kill-after=15 420 scripts/run_ranks.sh "${MP_RANKS:-2}" "$BUILD/tests/epx_tests_multigpu" >"$OUT/$log" 2>&1
     local rc=$?
     grep -E "Failure|error" -A6 "$OUT/$log" | head -40
-    summary "multi-process tests (2 ranks, $label): rc=$rc $(grep -E '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$log" | sed 's/^\[rank [0-9]*\] //' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
+    summary "multi-process tests (${MP_RANKS:-2} ranks, $label): rc=$rc $(grep -E '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$log" | sed 's/^\[rank [0-9]*\] //' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
   }
-  run_mp "zero-copy and staged" multigpu.log
-  run_mp "EPX_TRANSPORT=staged" multigpu_staged.log EPX_TRANSPORT=staged
-  run_mp "EPX_TRANSPORT=staged over NCCL sockets on loopback" multigpu_staged_net.log \
+  runs=" ${MP_RUNS:-plain staged net} "
+  [[ $runs == *" plain "* ]] && run_mp "zero-copy and staged" multigpu.log
+  [[ $runs == *" staged "* ]] && run_mp "EPX_TRANSPORT=staged" multigpu_staged.log EPX_TRANSPORT=staged
+  [[ $runs == *" net "* ]] && run_mp "EPX_TRANSPORT=staged over NCCL sockets on loopback" multigpu_staged_net.log \
     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo EPX_TRANSPORT=staged
 fi
 
 if has epbench; then
   [ -f "$OUT/bench.jsonl" ] || : >"$OUT/bench.jsonl"
-  timeout 480 "$BUILD/bin/bench_ep" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
+  shapes=("--tokens 4096 --hidden 7168 --experts 256" "--tokens 128 --hidden 7168 --experts 256"
+          "--tokens 4096 --hidden 4096 --experts 64")
+  if [ -n "${EP_TOKENS:-}" ]; then
+    shapes=()
+    for t in $EP_TOKENS; do
+      shapes+=("--tokens $t --hidden 7168 --experts 256")
+      timeout 300 "$BUILD/bin/bench_ep" --tokens "$t" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
+        summary "bench_ep --tokens $t failed rc=$?"
+    done
+  else
+    timeout 480 "$BUILD/bin/bench_ep" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
+  fi
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
-    for shape in "--tokens 4096 --hidden 7168 --experts 256" "--tokens 128 --hidden 7168 --experts 256" \
-                 "--tokens 4096 --hidden 4096 --experts 64"; do
+    for shape in "${shapes[@]}"; do
       PYTHONUNBUFFERED=1 timeout 240 python3 .carry/bench/torch_ep_baseline.py $shape --modes dc --iters 10 \
         >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "torch_ep_baseline failed for $shape"
     done
@@ -109,16 +148,22 @@ if has epbench; then
   grep -E 'dispatch' "$OUT/bench.jsonl"
 fi
 if has layer; then
-  timeout 400 "$BUILD/bin/epx" demo >"$OUT/demo.log" 2>&1
-  rc=$?
-  tail -12 "$OUT/demo.log"
-  summary "demo: rc=$rc $(tail -1 "$OUT/demo.log" | cut -c1-400)"
+  if [ -z "${SKIP_DEMO:-}" ]; then
+    timeout 400 "$BUILD/bin/epx" demo >"$OUT/demo.log" 2>&1
+    rc=$?
+    tail -12 "$OUT/demo.log"
+    summary "demo: rc=$rc $(tail -1 "$OUT/demo.log" | cut -c1-400)"
+  fi
   : >"$OUT/layer.jsonl"
   timeout 400 "$BUILD/bin/epx" bench layer ${LAYER_ARGS:-} >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
     summary "epx bench layer failed rc=$?"
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
-    for shape in "--tokens 4096 --hidden 7168 --experts 256 --topk 8 --ffn 2048" \
-                 "--tokens 4096 --hidden 4096 --experts 8 --topk 2 --ffn 14336"; do
+    lshapes=()
+    [[ " ${TORCH_LAYER:-deepseek-v3 mixtral} " == *" deepseek-v3 "* ]] &&
+      lshapes+=("--tokens 4096 --hidden 7168 --experts 256 --topk 8 --ffn 2048")
+    [[ " ${TORCH_LAYER:-deepseek-v3 mixtral} " == *" mixtral "* ]] &&
+      lshapes+=("--tokens 4096 --hidden 4096 --experts 8 --topk 2 --ffn 14336")
+    for shape in "${lshapes[@]}"; do
       PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_layer_baseline.py --baseline .carry/bench/torch_ep_baseline.py \
         $shape --modes layer --iters 10 >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
         summary "torch layer baseline failed for $shape"
