@@ -10,9 +10,17 @@
 // "us" times a CUDA graph of one call per rotated input (launch gaps removed), "us_stream" the
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
-// route_forward is timed with each kernel ("kernel": "fast1" = the default, the fast kernel with
-// one token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the
-// earlier kernel, EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
+// route_forward is timed with each kernel ("kernel": "wide" = the default, two tokens per warp with
+// fast exponentials, where the shape allows, else fast1; "fast1" = the bit-exact fast kernel with one
+// token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel,
+// EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
+//
+// Prediction for "wide" (2026-11-22, before any GPU run; from an Nsight Compute profile of fast1:
+// 689 warp instructions per token at softmax top-8, 44% issue utilisation, 168K local-memory spill
+// requests, 24.8 us): ~19 instructions per element (ex2.approx exponentials, composite-key top-3)
+// and ~130 per token pair of half-warp steps, ~220 per token, so ~4-5 us of issue at 65% utilisation
+// plus ~3 us of statistics tail and launch: 8-10 us for softmax top-8, 11-14 us for DeepSeek-V3
+// (sigmoid, z-loss exponentials, groups).
 //
 // Prediction for the fast kernels (written before any run, from SASS instruction counts of the
 // hot path, no GPU where this was written): ~400 warp instructions per token for softmax top-8
@@ -281,8 +289,8 @@ int main() {
       fwd.push_back(dec);
     }
     for (const Case& k : fwd)
-      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
-                                           epx::cuda::RouterKernel::kLegacy})
+      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kWide, epx::cuda::RouterKernel::kFast,
+                                           epx::cuda::RouterKernel::kFastOneTokenPerWarp, epx::cuda::RouterKernel::kLegacy})
         bench_forward(k, hbm, kern);
     epx::cuda::set_router_kernel(initial);
 

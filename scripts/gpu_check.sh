@@ -62,8 +62,8 @@ if has ncu; then
       ncu -i "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_$name.sass.csv" 2>&1
       rm -f "$OUT/ncu_$name.ncu-rep"
     }
-    ncu_one router_softmax "route_forward_fast_kernel<8, float, 0, 1>" 1 "$BUILD/bin/bench_router"
-    ncu_one router_sigmoid "route_forward_fast_kernel<8, float, 2, 1>" 1 "$BUILD/bin/bench_router"
+    ncu_one router_softmax "route_forward_fast_kernel<.int.8, float, .int.0, .int.1>" 1 "$BUILD/bin/bench_router"
+    ncu_one router_sigmoid "route_forward_fast_kernel<.int.8, float, .int.2, .int.1>" 1 "$BUILD/bin/bench_router"
     ncu_one layout "${NCU_LAYOUT:-layout_kernel}" 1 "$BUILD/bin/bench_layout" --tokens 4096 --experts 256 --topk 8
     summary "ncu: $(ls "$OUT"/ncu_*.details.txt 2>/dev/null | wc -l) reports"
   else

@@ -281,6 +281,13 @@ std::vector<Case> forward_cases() {
   add(make_config(512, 8, SF::kSigmoid, 16, 4, true, true, 2.5f), DType::kF32);
   add(make_config(512, 16, SF::kSoftmaxAfterTopk, 1, 1, false, true), DType::kBF16);
   add(make_config(500, 7, SF::kSoftmax, 4, 3, true), DType::kF32);
+  // The wide kernel's shapes (E in {64, 128, 256}, groups of 32, 64 or 128 experts).
+  add(make_config(64, 4, SF::kSigmoid, 2, 1, true, true), DType::kF32);
+  add(make_config(128, 8, SF::kSigmoid, 4, 2, true, true, 2.5f), DType::kBF16);
+  add(make_config(128, 4, SF::kSoftmaxAfterTopk, 2, 1, false, true), DType::kF32, DType::kI64);
+  add(make_config(256, 6, SF::kSoftmax, 2, 1, true), DType::kF32);
+  add(make_config(256, 16, SF::kSigmoid, 8, 8, true, true), DType::kF32);
+  add(make_config(256, 1, SF::kSoftmax), DType::kBF16);
   return v;
 }
 
@@ -548,14 +555,15 @@ TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
             << w << ": scalars[0] got " << fs[0] << ", legacy " << ls[0];
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kFastOneTokenPerWarp);
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 
-// The default kernel's statistics at the benchmark shape, run to run and across the two fast
-// variants' shared reduction (fixed point, so the order in which chunks finish cannot matter).
+// The statistics of the fast kernels (wide, two and one tokens per warp) at the benchmark shape, run
+// to run: their shared reduction is fixed point, so the order in which chunks finish cannot matter.
 TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
   EPX_REQUIRE_GPU();
-  for (cuda::RouterKernel kern : {cuda::RouterKernel::kFast, cuda::RouterKernel::kFastOneTokenPerWarp}) {
+  for (cuda::RouterKernel kern :
+       {cuda::RouterKernel::kWide, cuda::RouterKernel::kFast, cuda::RouterKernel::kFastOneTokenPerWarp}) {
     cuda::set_router_kernel(kern);
     for (AuxLossType aux : {AuxLossType::kGlobalBatch, AuxLossType::kSequence}) {
       RouterConfig c = make_config(256, 8, ScoreFunction::kSoftmax);
@@ -569,7 +577,37 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
                              std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
     }
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kFastOneTokenPerWarp);
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+}
+
+// The wide kernel (the default where it applies) and the one-token-per-warp kernel against the
+// reference on the wide kernel's shapes, each forced: random well-separated rows, the benchmark's T
+// (one chunk per block over two waves of token pairs) and a T that leaves half-warps idle.
+TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
+  EPX_REQUIRE_GPU();
+  using SF = ScoreFunction;
+  const std::vector<Case> cases = {
+      {make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32},
+      {make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f), DType::kF32, DType::kI64},
+      {make_config(256, 8, SF::kSoftmaxAfterTopk, 4, 2, true, true), DType::kBF16, DType::kI32},
+      {make_config(128, 16, SF::kSoftmax, 1, 1, true, true, 1.5f), DType::kF32, DType::kI32},
+      {make_config(64, 8, SF::kSigmoid, 2, 1, false, true), DType::kBF16, DType::kI32},
+  };
+  uint64_t seed = 900;
+  for (const Case& k : cases)
+    for (int64_t T : {int64_t{16384}, int64_t{33}, int64_t{1}}) {
+      const RouterConfig& c = k.c;
+      const std::vector<double> bias = c.use_expert_bias ? random_bias(c.num_experts, seed + 3, 0.05) : std::vector<double>();
+      const Tensor b = c.use_expert_bias ? host_tensor({c.num_experts}, DType::kF32, bias) : Tensor();
+      const Tensor logits = random_logits(c, T, k.dt, bias, seed++, 2.0, T > 100 ? 0.001 : 0.05);
+      const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
+      for (cuda::RouterKernel kern : {cuda::RouterKernel::kWide, cuda::RouterKernel::kFastOneTokenPerWarp}) {
+        cuda::set_router_kernel(kern);
+        expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt), cpu,
+                             describe(c, k.dt, k.idx_dt, T) + " kernel " + cuda::router_kernel_name(kern));
+      }
+    }
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 
 // Without statistics tensors (no loss configured) only the routing is written.

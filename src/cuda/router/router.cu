@@ -26,6 +26,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_kernels.cuh"
+#include "cuda/router/router_wide.h"
 #include "epx/error.h"
 
 namespace epx::cuda {
@@ -105,10 +106,10 @@ RouterKernel resolve_router_kernel() {
   int k = g_router_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
     const char* v = std::getenv("EPX_ROUTER_KERNEL");
-    // One token per warp measured fastest on H200 at every E from 64 to 512 (bench/NOTES.md).
-    int want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
+    int want = static_cast<int>(RouterKernel::kWide);
     if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(RouterKernel::kLegacy);
     if (v != nullptr && std::strcmp(v, "fast") == 0) want = static_cast<int>(RouterKernel::kFast);
+    if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
     int expected = -1;
     g_router_kernel.compare_exchange_strong(expected, want);
     k = g_router_kernel.load(std::memory_order_relaxed);
@@ -206,7 +207,7 @@ void launch_forward_v(int V, int sf, int grid, cudaStream_t s, const rk::FwdPara
     }
     return;
   }
-  if (k == RouterKernel::kFast && two_tokens_per_warp(V, p)) {
+  if (k == RouterKernel::kFast && two_tokens_per_warp(V, p)) {  // kWide falls back to one token per warp
     switch (V) {
       case 1: launch_fast<2, LT, 2>(sf, grid, s, p); break;
       case 2: launch_fast<4, LT, 2>(sf, grid, s, p); break;
@@ -242,6 +243,7 @@ const char* router_kernel_name(RouterKernel k) {
   switch (k) {
     case RouterKernel::kLegacy: return "legacy";
     case RouterKernel::kFastOneTokenPerWarp: return "fast1";
+    case RouterKernel::kWide: return "wide";
     default: return "fast";
   }
 }
@@ -289,10 +291,14 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   p.scale = c.routed_scaling_factor;
   const int elem = static_cast<int>(dtype_size(logits.dtype()));
   p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
+  // The wide kernel runs one chunk per block (2 blocks per SM); the others up to kMaxChunks blocks.
+  const bool wide = resolve_router_kernel() == RouterKernel::kWide && wide_router_supports(p);
+  const int64_t max_chunks = wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks()) : rk::kMaxChunks;
 
   const int64_t L = c.aux_loss == AuxLossType::kSequence ? c.seq_len : T;
   const int64_t S = T / L;
-  const int64_t ct = std::max<int64_t>(8, ceil_div(T, rk::kMaxChunks));
+  int64_t ct = std::max<int64_t>(8, ceil_div(T, max_chunks));
+  if (wide) ct = ceil_div(ct, 2 * rk::kWarps) * (2 * rk::kWarps);  // whole rounds of the block's token pairs
   if (L <= ct) {
     p.C = L;
     p.bps = 1;
@@ -319,9 +325,11 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   // Grouped selection relies on a lane touching at most two groups (E / G > V, or V = 1).
   require_status(c.num_groups == 1 || V == 1 || p.per > V, Status::kInternal, fn, "group width ", p.per,
                  " not above the ", V, " experts per lane");
-  const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, rk::kMaxChunks));
+  const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, max_chunks));
   const int sf = score_kind(c.score_function);
-  if (logits.dtype() == DType::kF32)
+  if (wide)
+    launch_route_forward_wide(sf, logits.dtype() == DType::kBF16, grid, s, p);
+  else if (logits.dtype() == DType::kF32)
     launch_forward_v<float>(V, sf, grid, s, p);
   else
     launch_forward_v<__nv_bfloat16>(V, sf, grid, s, p);

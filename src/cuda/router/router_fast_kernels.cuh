@@ -227,6 +227,90 @@ __device__ __forceinline__ void finish_scalars(const FwdParams& p, float* s_f, u
   }
 }
 
+// The tail of a chunk, shared by the fast kernels: the block's token streams wrote their rows of
+// prob sums (red[row * stride + e], rows in token-stream order) and their lse^2 / token-count leaves
+// (wlse, wcnt) and synchronised. Adds the rows in row order and either writes prob_sum (a chunk that
+// is a whole sequence) or adds the fixed-point row to the sequence's accumulators; the last chunk of
+// a sequence to arrive converts them (and, merged, finishes the scalars). blk_lse, blk_cnt and flag
+// are the block's shared scalars. Block-uniform; the caller synchronises before red is reused.
+template <int kRows>
+__device__ __forceinline__ void commit_chunk_stats(const FwdParams& p, int64_t s, int64_t jc, const float* red,
+                                                   int stride, const float* wlse, const unsigned* wcnt, float& blk_lse,
+                                                   unsigned long long& blk_cnt, int& flag, unsigned long long* s_n,
+                                                   bool want_prob, bool want_scal, bool merged) {
+  const int tid = threadIdx.x, E = p.E;
+  if (want_scal && tid == 0) {
+#pragma unroll
+    for (int w = 0; w < kRows; ++w) {
+      blk_lse += wlse[w];
+      blk_cnt += wcnt[w];
+    }
+  }
+  if (!want_prob) return;
+  const int rep = p.rep;
+  unsigned long long* acc_row = p.acc + (s * rep + jc % rep) * kMaxExperts;
+  for (int e = tid; e < E; e += kThreads) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kRows; ++w) v += red[w * stride + e];
+    if (p.bps == 1)
+      p.prob_sum[s * E + e] = v;
+    else
+      atomicAdd(acc_row + e, static_cast<unsigned long long>(__float2ll_rn(v * kFixedScale)));
+  }
+  if (p.bps == 1) return;
+  if (merged && tid == 0) {
+    p.leaf_lse[blockIdx.x] = blk_lse;
+    p.leaf_cnt[blockIdx.x] = blk_cnt;
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned ticket = atomicAdd(p.cnt1 + s, 1u);
+    const int last = ticket == static_cast<unsigned>(p.bps - 1);
+    if (last) p.cnt1[s] = 0u;  // every chunk of the sequence has arrived: ready for the next launch
+    flag = last;
+  }
+  __syncthreads();
+  if (!flag) return;
+  __threadfence();
+  unsigned long long* first = p.acc + s * rep * kMaxExperts;
+  for (int e = tid; e < E; e += kThreads) {
+    unsigned long long v[kAccReplicas];  // every replica's load in flight at once
+#pragma unroll
+    for (int r = 0; r < kAccReplicas; ++r) v[r] = r < rep ? __ldcg(first + r * kMaxExperts + e) : 0ull;
+    unsigned long long total = 0;
+#pragma unroll
+    for (int r = 0; r < kAccReplicas; ++r) {
+      total += v[r];
+      if (r < rep) __stcg(first + r * kMaxExperts + e, 0ull);
+    }
+    p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
+  }
+  if (merged) finish_scalars(p, const_cast<float*>(red), s_n);  // block-uniform (flag); red holds >= kThreads floats
+}
+
+// After the last chunk of a block, when the scalars were not merged into prob_sum's ticket: the
+// block's leaves, and the last block to arrive sums every block's (red: >= kThreads floats of scratch).
+__device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* red, unsigned long long* s_n,
+                                                     float blk_lse, unsigned long long blk_cnt, int& flag, bool wanted) {
+  if (!wanted) return;
+  if (threadIdx.x == 0) {
+    p.leaf_lse[blockIdx.x] = blk_lse;
+    p.leaf_cnt[blockIdx.x] = blk_cnt;
+    __threadfence();
+    const unsigned ticket = atomicAdd(p.scal_ticket, 1u);
+    const int last = ticket == gridDim.x - 1;
+    if (last) *p.scal_ticket = 0u;
+    flag = last;
+  }
+  __syncthreads();
+  if (flag) {
+    __threadfence();
+    finish_scalars(p, red, s_n);
+  }
+}
+
 // V: experts per lane; TPW: tokens per warp (2: a half-warp per token; then K <= 15, E <= 16 V,
 // and groups, if any, aligned to lanes -- the launcher checks).
 template <int V, class LT, int SF, int TPW>
@@ -628,77 +712,11 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
       s_wcnt[stream] = w_cnt;
     }
     __syncthreads();
-    if (want_scal && tid == 0) {
-#pragma unroll
-      for (int w = 0; w < kRows; ++w) {
-        s_blk_lse += s_wlse[w];
-        s_blk_cnt += s_wcnt[w];
-      }
-    }
-    if (want_prob) {  // block-uniform
-      const int rep = p.rep;
-      unsigned long long* acc_row = p.acc + (s * rep + jc % rep) * kMaxExperts;
-      for (int e = tid; e < E; e += kThreads) {
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kRows; ++w) v += s_red[w][e];
-        if (p.bps == 1)
-          p.prob_sum[s * E + e] = v;
-        else
-          atomicAdd(acc_row + e, static_cast<unsigned long long>(__float2ll_rn(v * kFixedScale)));
-      }
-      if (p.bps > 1) {
-        if (merged && tid == 0) {
-          p.leaf_lse[blockIdx.x] = s_blk_lse;
-          p.leaf_cnt[blockIdx.x] = s_blk_cnt;
-        }
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-          const unsigned ticket = atomicAdd(p.cnt1 + s, 1u);
-          const int last = ticket == static_cast<unsigned>(p.bps - 1);
-          if (last) p.cnt1[s] = 0u;  // every chunk of the sequence has arrived: ready for the next launch
-          s_flag = last;
-        }
-        __syncthreads();
-        if (s_flag) {
-          __threadfence();
-          unsigned long long* first = p.acc + s * rep * kMaxExperts;
-          for (int e = tid; e < E; e += kThreads) {
-            unsigned long long v[kAccReplicas];  // every replica's load in flight at once
-#pragma unroll
-            for (int r = 0; r < kAccReplicas; ++r) v[r] = r < rep ? __ldcg(first + r * kMaxExperts + e) : 0ull;
-            unsigned long long total = 0;
-#pragma unroll
-            for (int r = 0; r < kAccReplicas; ++r) {
-              total += v[r];
-              if (r < rep) __stcg(first + r * kMaxExperts + e, 0ull);
-            }
-            p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
-          }
-          if (merged) finish_scalars(p, &s_red[0][0], s_n);  // block-uniform (s_flag)
-        }
-      }
-    }
+    commit_chunk_stats<kRows>(p, s, jc, &s_red[0][0], EP, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n, want_prob,
+                       want_scal, merged);
     __syncthreads();  // s_red and s_flag are reused by the next chunk
   }
-
-  if (want_scal && !merged) {
-    if (tid == 0) {
-      p.leaf_lse[blockIdx.x] = s_blk_lse;
-      p.leaf_cnt[blockIdx.x] = s_blk_cnt;
-      __threadfence();
-      const unsigned ticket = atomicAdd(p.scal_ticket, 1u);
-      const int last = ticket == gridDim.x - 1;
-      if (last) *p.scal_ticket = 0u;
-      s_flag = last;
-    }
-    __syncthreads();
-    if (s_flag) {
-      __threadfence();
-      finish_scalars(p, &s_red[0][0], s_n);  // s_red holds >= kThreads floats
-    }
-  }
+  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);
 }
 
 }  // namespace epx::cuda::router_kernels

@@ -1,0 +1,54 @@
+#include "cuda/router/router_wide.h"
+
+#include "cuda/common/cuda_check.h"
+#include "cuda/router/router_wide_kernels.cuh"
+
+namespace epx::cuda {
+namespace {
+
+namespace rk = router_kernels;
+
+template <int NV, class LT>
+void launch_nv(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  switch (sf) {
+    case rk::kScoreSoftmax:
+      rk::route_forward_wide_kernel<NV, LT, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+    case rk::kScoreSoftmaxAfterTopk:
+      rk::route_forward_wide_kernel<NV, LT, rk::kScoreSoftmaxAfterTopk><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+    default:
+      rk::route_forward_wide_kernel<NV, LT, rk::kScoreSigmoid><<<grid, rk::kThreads, 0, s>>>(p);
+      break;
+  }
+  EPX_CHECK_LAUNCH("route_forward_wide_kernel");
+}
+
+template <class LT>
+void launch_lt(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  switch (p.E) {
+    case 64: launch_nv<4, LT>(sf, grid, s, p); break;
+    case 128: launch_nv<8, LT>(sf, grid, s, p); break;
+    default: launch_nv<16, LT>(sf, grid, s, p); break;
+  }
+}
+
+}  // namespace
+
+bool wide_router_supports(const rk::FwdParams& p) {
+  if (p.E != 64 && p.E != 128 && p.E != 256) return false;
+  if (p.K > 16 || !p.vec_ok) return false;
+  if (p.G <= 1) return true;
+  return p.G <= 8 && p.per * p.G == p.E && (p.per == 32 || p.per == 64 || p.per == 128);
+}
+
+int wide_router_blocks() { return sm_count() * rk::kWideMinBlocks; }
+
+void launch_route_forward_wide(int sf, bool bf16, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  if (bf16)
+    launch_lt<__nv_bfloat16>(sf, grid, s, p);
+  else
+    launch_lt<float>(sf, grid, s, p);
+}
+
+}  // namespace epx::cuda
