@@ -41,8 +41,12 @@ if has build; then
   gt=()
   [ -d .carry/googletest ] && gt=(-DEPX_GTEST_SOURCE="$PWD/.carry/googletest")
   t0=$(date +%s)
-  if ! cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${gt[@]}" >"$OUT/build.log" 2>&1 ||
-     ! cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1; then
+  # CMAKE_EXTRA (e.g. -DEPX_WITH_CUTLASS=OFF) and TARGETS (e.g. "epx_tests_gpu bench_router") narrow
+  # a build to what a quick check needs.
+  tg=()
+  for t in ${TARGETS:-}; do tg+=(--target "$t"); done
+  if ! cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${gt[@]}" ${CMAKE_EXTRA:-} >"$OUT/build.log" 2>&1 ||
+     ! cmake --build "$BUILD" -j "$JOBS" "${tg[@]}" >>"$OUT/build.log" 2>&1; then
     grep -E "error|Error" -A4 "$OUT/build.log" | head -60
     summary "build: FAILED"
     exit 1
@@ -62,9 +66,12 @@ if has ncu; then
       ncu -i "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_$name.sass.csv" 2>&1
       rm -f "$OUT/ncu_$name.ncu-rep"
     }
-    ncu_one router_softmax "route_forward_fast_kernel<.int.8, float, .int.0, .int.1>" 1 "$BUILD/bin/bench_router"
-    ncu_one router_sigmoid "route_forward_fast_kernel<.int.8, float, .int.2, .int.1>" 1 "$BUILD/bin/bench_router"
-    ncu_one layout "${NCU_LAYOUT:-layout_kernel}" 1 "$BUILD/bin/bench_layout" --tokens 4096 --experts 256 --topk 8
+    # NCU_WHAT narrows the reports (default: router_softmax router_sigmoid layout).
+    what=" ${NCU_WHAT:-router_softmax router_sigmoid layout} "
+    rk=${NCU_ROUTER_KERNEL:-route_forward_wide_kernel<.int.16, float, .int.}
+    [[ $what == *" router_softmax "* ]] && ncu_one router_softmax "${rk}0>" 1 "$BUILD/bin/bench_router"
+    [[ $what == *" router_sigmoid "* ]] && ncu_one router_sigmoid "${rk}2>" 1 "$BUILD/bin/bench_router"
+    [[ $what == *" layout "* ]] && ncu_one layout layout_kernel 1 "$BUILD/bin/bench_layout" --tokens 4096 --experts 256 --topk 8
     summary "ncu: $(ls "$OUT"/ncu_*.details.txt 2>/dev/null | wc -l) reports"
   else
     summary "ncu: not found"

@@ -352,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
         ++w_cnt;
       }
 
-      // Exact selection keys (0 = ineligible: NaN logit).
+      // Exact selection keys (0 = ineligible: NaN logit; all 0 for a masked or idle token, whose
+      // caches then hold no candidate and can trigger neither a refill nor the exact path).
       uint32_t ek[NV];
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
@@ -369,6 +370,7 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
             const float sel = __fadd_rn(sc[i], bq[r]);
             ek[i] = isnan(sel) ? 0u : order_key2(sel);
           }
+          if (!valid) ek[i] = 0u;
         }
       }
 
