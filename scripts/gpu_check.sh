@@ -108,7 +108,7 @@ if has bench; then
     timeout "${BENCH_TIMEOUT:-120}" "$b" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench: $(basename "$b") failed rc=$?"
   done
   if [ -z "${SKIP_TORCH_KERNELS:-}" ]; then
-    PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py --ops "${TORCH_OPS:-router,permute,quant}" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
       summary "bench: torch baseline failed"
   fi
   summary "bench: $(wc -l <"$OUT/bench.jsonl") JSON lines"
