@@ -66,6 +66,19 @@ __device__ __forceinline__ float shifted_exp(float x, float mx, float ml, bool s
   return exp_shifted(x, ml);
 }
 
+// Per-half-warp max / min of unsigned values, both halves at once: two full-warp redux with the
+// other half neutral. (A redux.sync on a half-warp mask compiles to a serialised collective loop.)
+__device__ __forceinline__ uint32_t half_max_u32(uint32_t v, int half) {
+  const uint32_t m0 = __reduce_max_sync(kFull, half ? 0u : v);
+  const uint32_t m1 = __reduce_max_sync(kFull, half ? v : 0u);
+  return half ? m1 : m0;
+}
+__device__ __forceinline__ uint32_t half_min_u32(uint32_t v, int half) {
+  const uint32_t m0 = __reduce_min_sync(kFull, half ? 0xffffffffu : v);
+  const uint32_t m1 = __reduce_min_sync(kFull, half ? v : 0xffffffffu);
+  return half ? m1 : m0;
+}
+
 template <int NV, class LT>
 struct WideRow {
   static constexpr int kWords = NV * static_cast<int>(sizeof(LT)) / 4;
@@ -105,8 +118,25 @@ __device__ __forceinline__ void wide_unpack(const WideRow<NV, LT>& r, float (&x)
 // Expert of lane hl's element i.
 __device__ __forceinline__ int wide_expert(int hl, int i) { return 64 * (i >> 2) + 4 * hl + (i & 3); }
 
-// Lane's three best composites (key high bits, then IM - e) strictly below `below`.
-template <int NV, int IB>
+// Exact selection key of one element (0 = ineligible: NaN logit, or a masked / idle token, whose
+// caches then hold no candidate and can trigger neither a refill nor the exact path).
+template <int SF>
+__device__ __forceinline__ uint32_t wide_key(float x, float score, float bias, bool valid) {
+  uint32_t k;
+  if constexpr (SF == kScoreSoftmaxAfterTopk) {
+    float sel = __fadd_rn(__fadd_rn(x, bias), 0.0f);  // -0 -> +0
+    if (isnan(sel)) sel = -CUDART_INF_F;             // inf + -inf
+    k = isnan(x) ? 0u : order_key2(sel);
+  } else {
+    const float sel = __fadd_rn(score, bias);  // scores are never -0: adding +0 changes nothing
+    k = isnan(sel) ? 0u : order_key2(sel);
+  }
+  return valid ? k : 0u;
+}
+
+// Lane's three best composites (key high bits, then IM - e), with kBelow only those strictly below
+// `below` (a refill).
+template <int NV, int IB, bool kBelow>
 __device__ __forceinline__ void wide_fill(const uint32_t (&ek)[NV], int hl, uint32_t below, uint32_t& c1, uint32_t& c2,
                                           uint32_t& c3) {
   constexpr uint32_t IM = (1u << IB) - 1u;
@@ -115,26 +145,26 @@ __device__ __forceinline__ void wide_fill(const uint32_t (&ek)[NV], int hl, uint
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const uint32_t c = (ek[i] & ~IM) | (base - static_cast<uint32_t>(64 * (i >> 2) + (i & 3)));
-    top3(c1, c2, c3, c < below ? c : 0u);
+    top3(c1, c2, c3, !kBelow || c < below ? c : 0u);
   }
 }
 
 // Exact top-k over the half-warp's keys (0 = not a candidate): K rounds of (max key, lowest
 // expert). Returns the expert of slot hl (-1 when none is left).
 template <int NV>
-__device__ __forceinline__ int wide_exact_topk(const uint32_t (&ek)[NV], int K, int hl, unsigned mask) {
+__device__ __forceinline__ int wide_exact_topk(const uint32_t (&ek)[NV], int K, int hl, int half) {
   uint32_t taken = 0;
   int id = -1;
   for (int r = 0; r < K; ++r) {
     uint32_t bk = 0;
 #pragma unroll
     for (int i = 0; i < NV; ++i) bk = max(bk, ((taken >> i) & 1u) ? 0u : ek[i]);
-    const uint32_t m = __reduce_max_sync(mask, bk);
+    const uint32_t m = half_max_u32(bk, half);
     unsigned le = 0xffffffffu;
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (!((taken >> i) & 1u) && ek[i] == m) le = min(le, static_cast<unsigned>(wide_expert(hl, i)));
-    const unsigned we = __reduce_min_sync(mask, le);
+    const unsigned we = half_min_u32(le, half);
     if (m != 0u) {
       if (((we >> 2) & 15u) == static_cast<unsigned>(hl)) taken |= 1u << (((we >> 6) << 2) | (we & 3u));
       if (hl == r) id = static_cast<int>(we);
@@ -238,7 +268,6 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int half = lane >> 4, hl = lane & 15;
-  const unsigned hmask = 0xffffu << (16 * half);
   const int stream = warp * 2 + half;
   const int K = p.K, G = p.G;
   const bool want_prob = p.prob_sum != nullptr, want_scal = p.scalars != nullptr;
@@ -246,6 +275,7 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
   const LT* logits = static_cast<const LT*>(p.logits);
   // Groups: per is a multiple of 32, so a quad lies in one group ((64 j + 4 l) / per).
   const bool grouped = G > 1;
+  const bool has_bias = p.bias != nullptr;
 
   for (int e = tid; e < E; e += kThreads) {
     float b = 0.0f;
@@ -290,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
 #pragma unroll
       for (int i = 0; i < NV; ++i) lmx = fmaxf(lmx, x[i]);
       // 0: no eligible expert in the row (or no token here).
-      const uint32_t mkey = __reduce_max_sync(hmask, active && !isnan(lmx) ? order_key2(lmx) : 0u);
+      const uint32_t mkey = half_max_u32(active && !isnan(lmx) ? order_key2(lmx) : 0u, half);
       const bool valid = mkey != 0u;
       const float mx = valid ? key_to_float(mkey) : 0.0f;
       const bool sat = isinf(mx);
@@ -342,7 +372,9 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
 #pragma unroll
           for (int i = 0; i < NV; ++i) acc[i] = fmaf(fmaxf(sc[i], 0.0f), inv, acc[i]);
         }
-        if constexpr (SF == kScoreSoftmax) {
+        // Without a bias or groups the selection can rank exp(x - max) itself: 1 / sum is one
+        // positive factor of the whole row (the weights are recomputed from the logits anyway).
+        if (SF == kScoreSoftmax && (has_bias || grouped)) {
 #pragma unroll
           for (int i = 0; i < NV; ++i) sc[i] *= inv;
         }
@@ -355,36 +387,30 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
       // Exact selection keys (0 = ineligible: NaN logit; all 0 for a masked or idle token, whose
       // caches then hold no candidate and can trigger neither a refill nor the exact path).
       uint32_t ek[NV];
+      if (has_bias) {
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const float4 b4 = *reinterpret_cast<const float4*>(s_bias + 64 * j + 4 * hl);
-        const float bq[4] = {b4.x, b4.y, b4.z, b4.w};
+        for (int j = 0; j < NJ; ++j) {
+          const float4 b4 = *reinterpret_cast<const float4*>(s_bias + 64 * j + 4 * hl);
+          const float bq[4] = {b4.x, b4.y, b4.z, b4.w};
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 4 * j + r;
-          if constexpr (SF == kScoreSoftmaxAfterTopk) {
-            float sel = __fadd_rn(__fadd_rn(x[i], bq[r]), 0.0f);  // -0 -> +0
-            if (isnan(sel)) sel = -CUDART_INF_F;                     // inf + -inf
-            ek[i] = isnan(x[i]) ? 0u : order_key2(sel);
-          } else {
-            const float sel = __fadd_rn(sc[i], bq[r]);
-            ek[i] = isnan(sel) ? 0u : order_key2(sel);
-          }
-          if (!valid) ek[i] = 0u;
+          for (int r = 0; r < 4; ++r) ek[4 * j + r] = wide_key<SF>(x[4 * j + r], sc[4 * j + r], bq[r], valid);
         }
+      } else {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) ek[i] = wide_key<SF>(x[i], sc[i], 0.0f, valid);
       }
 
       if (grouped) wide_group_mask<NV>(ek, p, hl, half);
 
       // Top-k: K + 1 rounds of half-warp maxima over the lanes' cached composites.
       uint32_t c1, c2, c3;
-      wide_fill<NV, IB>(ek, hl, 0xffffffffu, c1, c2, c3);
+      wide_fill<NV, IB, false>(ek, hl, 0u, c1, c2, c3);
       bool more = c3 > IM;
       uint32_t slot = 0, prev = 0;
       bool collide = false;
 #pragma unroll 1
       for (int r = 0; r <= K; ++r) {
-        const uint32_t m = __reduce_max_sync(hmask, c1);
+        const uint32_t m = half_max_u32(c1, half);
         if (hl == r) slot = m;
         collide = collide || (r > 0 && m > IM && (prev >> IB) == (m >> IB));
         prev = m;
@@ -398,14 +424,14 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
         const bool refill = won && more && c1 <= IM;
         if (__any_sync(kFull, refill)) {
           if (refill) {
-            wide_fill<NV, IB>(ek, hl, m, c1, c2, c3);
+            wide_fill<NV, IB, true>(ek, hl, m, c1, c2, c3);
             more = c3 > IM;
           }
         }
       }
       int id;
       if (__any_sync(kFull, collide))
-        id = wide_exact_topk<NV>(ek, K, hl, hmask);
+        id = wide_exact_topk<NV>(ek, K, hl, half);
       else
         id = slot > IM ? static_cast<int>(IM - (slot & IM)) : -1;
 
