@@ -42,6 +42,5 @@ void grouped_wgrad_bf16_out_cluster(GroupedOperand, GroupedOperand, void*, int64
                                     const int32_t*, int, Stream) {
   unavailable();
 }
-WgradSchedule wgrad_schedule() { return WgradSchedule::kCooperative; }
 
 }  // namespace epx::cuda
