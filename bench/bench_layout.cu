@@ -17,6 +17,18 @@
 // memsets and three launches); fused ~5-7 us on the graph (one launch: ids in, one look-back over
 // 64 blocks, one scan in the last block) and ~7-9 us eager, against the 15 us target.
 //
+// Prediction 2026-11-22 (no GPU where this was written), after the fused kernel's latency pass
+// (512 threads, ids loaded at once, shuffles for repeated ids, 32-bit atomicOr instead of a CAS
+// loop, release/acquire flags, one-round-trip look-back, a tail without global reads), against
+// the 14.9 us measured before it (T = 4096, K = 8, E = 256, one rank): ~10 us kernel time (8.5-12),
+// so ~11.5 us eager. Why: per block, phase A goes from two rounds (two id round trips to HBM, two
+// CAS loops of 8 retries, two sets of three barriers, a 64-bit modulo and L1 re-reads per pair) to
+// one; the generation load leaves the front of the first barrier; the look-back drops from two L2
+// round trips (four for the threads that also summed a token column) to one; phase C re-reads
+// nothing; the last block's tail loses its three round trips (first bad pairs, counts read back,
+// group status). That is ~8-10 dependent round trips of ~0.4-0.6 us less on the critical path,
+// part of it given back to 16-warp barriers and to issuing the look-back's 64 loads per thread.
+//
 // usage: bench_layout [--tokens T] [--experts E] [--topk K]   (default: the sweep)
 #include <cuda_runtime_api.h>
 

@@ -103,7 +103,7 @@ void run_fused(layout::Params p, int pass, cudaStream_t stream) {
   if (smem > 48 * 1024)
     EPX_CUDA_CHECK(cudaFuncSetAttribute(layout::layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
-  layout::layout_kernel<<<blocks, layout::kThreads, smem, stream>>>(p);
+  layout::layout_kernel<<<blocks, layout::kLayoutThreads, smem, stream>>>(p);
   EPX_CHECK_LAUNCH("layout_kernel");
 }
 
