@@ -292,7 +292,8 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   const int elem = static_cast<int>(dtype_size(logits.dtype()));
   p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
   // The wide kernel runs one chunk per block (2 blocks per SM); the others up to kMaxChunks blocks.
-  const bool wide = resolve_router_kernel() == RouterKernel::kWide && wide_router_supports(p);
+  const bool wide = resolve_router_kernel() == RouterKernel::kWide &&
+                    wide_router_supports(p, logits.dtype() == DType::kBF16);
   const int64_t max_chunks = wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks()) : rk::kMaxChunks;
 
   const int64_t L = c.aux_loss == AuxLossType::kSequence ? c.seq_len : T;

@@ -31,8 +31,8 @@ constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
 /// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "wide" (default: two tokens per
-/// warp with fast exponentials, where the shape allows -- E in {64, 128, 256}, aligned rows, groups of
-/// 32/64/128 experts -- else "fast1"), "fast1" (the fast kernel, one token per warp), "fast" (two
+/// warp with fast exponentials, where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned
+/// rows, groups of 32/64/128 experts -- else "fast1"), "fast1" (the fast kernel, one token per warp), "fast" (two
 /// tokens per warp where the shape allows, else one) or "legacy" (the earlier kernel), kept so that a
 /// GPU run and the tests can compare them. fast, fast1 and legacy give the same topk_idx and
 /// topk_weights bits; wide agrees with them (and the reference) on the selection of well-separated

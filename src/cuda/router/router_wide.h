@@ -8,9 +8,9 @@
 
 namespace epx::cuda {
 
-/// Whether the wide kernel handles this shape: E in {64, 128, 256}, K <= 16, rows 16-byte aligned
-/// (p.vec_ok), and no groups or groups of 32, 64 or 128 experts (at most 8).
-bool wide_router_supports(const router_kernels::FwdParams& p);
+/// Whether the wide kernel handles this shape: fp32 logits, E in {64, 128, 256}, K <= 16, rows
+/// 16-byte aligned (p.vec_ok), and no groups or groups of 32, 64 or 128 experts (at most 8).
+bool wide_router_supports(const router_kernels::FwdParams& p, bool bf16);
 
 /// Blocks the wide kernel wants on this device (its chunks of tokens: one per block).
 int wide_router_blocks();
