@@ -12,10 +12,11 @@
 //    rcp.approx(1 + ex2.approx(-x log2 e)) (a sigmoid below 2^-126, logits under about -87, flushes
 //    to zero), logsumexp's log as lg2.approx: the reference's scores within a few 1e-6 relative,
 //    which is what the tests' well-separated rows allow for;
-//  - top-k: each lane keeps its three best composite keys (route_forward_kernel's file note: the
-//    key's high bits, then IM - e), K + 1 picks are K + 1 half-warp redux.max; a lane whose three
-//    are all taken while it holds more candidates refills from its keys (threshold: its last pick),
-//    so the picks are always the exact top K + 1 composites. Only consecutive picks that agree on
+//  - top-k: each lane keeps its four best composite keys (route_forward_kernel's file note: the
+//    key's high bits, then IM - e), K + 1 picks are K + 1 unrolled half-warp maxima; if a lane gave
+//    away all four while it holds more candidates, the warp redoes the picks with three-entry caches
+//    that refill from the keys below their last pick, so the picks are always the exact top K + 1
+//    composites. Only consecutive picks that agree on
 //    the truncated high bits (then the dropped bits could reorder them) send the warp through the
 //    exact path (K rounds of max key, lowest expert), so results never depend on the fast path;
 //  - groups (E / G a multiple of 32, G <= 8): each lane's per-quad top-2, merged over the 8 or 16
@@ -146,6 +147,26 @@ __device__ __forceinline__ void wide_fill(const uint32_t (&ek)[NV], int hl, uint
   for (int i = 0; i < NV; ++i) {
     const uint32_t c = (ek[i] & ~IM) | (base - static_cast<uint32_t>(64 * (i >> 2) + (i & 3)));
     top3(c1, c2, c3, !kBelow || c < below ? c : 0u);
+  }
+}
+
+// Lane's four best composites (the first fill of the unrolled rounds).
+template <int NV, int IB>
+__device__ __forceinline__ void wide_fill4(const uint32_t (&ek)[NV], int hl, uint32_t& c1, uint32_t& c2, uint32_t& c3,
+                                           uint32_t& c4) {
+  constexpr uint32_t IM = (1u << IB) - 1u;
+  c1 = c2 = c3 = c4 = 0;
+  const uint32_t base = IM - 4u * static_cast<uint32_t>(hl);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const uint32_t c = (ek[i] & ~IM) | (base - static_cast<uint32_t>(64 * (i >> 2) + (i & 3)));
+    const uint32_t l1 = min(c1, c);
+    c1 = max(c1, c);
+    const uint32_t l2 = min(c2, l1);
+    c2 = max(c2, l1);
+    const uint32_t l3 = min(c3, l2);
+    c3 = max(c3, l2);
+    c4 = max(c4, l3);
   }
 }
 
@@ -402,30 +423,51 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
 
       if (grouped) wide_group_mask<NV>(ek, p, hl, half);
 
-      // Top-k: K + 1 rounds of half-warp maxima over the lanes' cached composites.
-      uint32_t c1, c2, c3;
-      wide_fill<NV, IB, false>(ek, hl, 0u, c1, c2, c3);
-      bool more = c3 > IM;
+      // Top-k: K + 1 rounds of half-warp maxima over the lanes' four best composites, unrolled. A
+      // lane that gives away all four while it holds more candidates could have owed a later pick:
+      // then (rarely: a lane of 16 holding 5 of a token's K + 1 best) the warp redoes the rounds
+      // with three-entry caches that refill below their last pick.
+      uint32_t c1, c2, c3, c4;
+      wide_fill4<NV, IB>(ek, hl, c1, c2, c3, c4);
+      const bool more4 = c4 > IM;
       uint32_t slot = 0, prev = 0;
       bool collide = false;
-#pragma unroll 1
-      for (int r = 0; r <= K; ++r) {
+#pragma unroll
+      for (int r = 0; r <= kMaxTopk; ++r) {
+        if (r > K) break;
         const uint32_t m = half_max_u32(c1, half);
         if (hl == r) slot = m;
-        collide = collide || (r > 0 && m > IM && (prev >> IB) == (m >> IB));
+        if (r > 0) collide = collide || (m > IM && (prev >> IB) == (m >> IB));
         prev = m;
         const bool won = c1 == m && m > IM;
-        if (won) {
-          c1 = c2;
-          c2 = c3;
-          c3 = 0u;
-        }
-        // A lane whose cache ran dry while it may hold more candidates refills below its last pick.
-        const bool refill = won && more && c1 <= IM;
-        if (__any_sync(kFull, refill)) {
-          if (refill) {
-            wide_fill<NV, IB, true>(ek, hl, m, c1, c2, c3);
-            more = c3 > IM;
+        c1 = won ? c2 : c1;
+        c2 = won ? c3 : c2;
+        c3 = won ? c4 : c3;
+        c4 = won ? 0u : c4;
+      }
+      if (__any_sync(kFull, more4 && c1 <= IM)) {
+        wide_fill<NV, IB, false>(ek, hl, 0u, c1, c2, c3);
+        bool more = c3 > IM;
+        slot = prev = 0;
+        collide = false;
+#pragma unroll 1
+        for (int r = 0; r <= K; ++r) {
+          const uint32_t m = half_max_u32(c1, half);
+          if (hl == r) slot = m;
+          collide = collide || (r > 0 && m > IM && (prev >> IB) == (m >> IB));
+          prev = m;
+          const bool won = c1 == m && m > IM;
+          if (won) {
+            c1 = c2;
+            c2 = c3;
+            c3 = 0u;
+          }
+          const bool refill = won && more && c1 <= IM;
+          if (__any_sync(kFull, refill)) {
+            if (refill) {
+              wide_fill<NV, IB, true>(ek, hl, m, c1, c2, c3);
+              more = c3 > IM;
+            }
           }
         }
       }
