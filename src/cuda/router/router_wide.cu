@@ -37,8 +37,9 @@ void launch_lt(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
 
 bool wide_router_supports(const rk::FwdParams& p, bool bf16) {
   // bf16 logits (8-bit mantissas) tie often; ties of the truncated composite keys send the wide
-  // kernel through its exact path, which made it slower than fast1 on bf16 softmax rows (H200:
-  // 38.3 against 29.6 us at T = 16384, E = 256). It runs on fp32 logits only until that is fixed.
+  // kernel through its exact path, so on bf16 rows it only matches fast1 (H200, T = 16384, E = 256:
+  // 29.2 against 30.2 us softmax, 33.1 against 33.6 us DeepSeek-V3; fp32: 19.7 / 29.9 against
+  // 24.8 / 34.5 us). It runs on fp32 logits until equal full keys are told apart from collisions.
   if (bf16) return false;
   if (p.E != 64 && p.E != 128 && p.E != 256) return false;
   if (p.K > 16 || !p.vec_ok) return false;
