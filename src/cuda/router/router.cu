@@ -1,7 +1,9 @@
 // Launchers of the CUDA router (kernels and their invariants: router_kernels.cuh).
 //
 // Chunking of route_forward's statistics. With Ct = max(8, ceil(T / kMaxChunks)) and L the tokens
-// per sequence (T in global mode, seq_len in sequence mode):
+// per sequence (T in global mode, seq_len in sequence mode) -- for the wide kernel kMaxChunks is
+// replaced by its block count (2 per SM, fewer chunks: the bounds below only loosen) and Ct rounded
+// up to a multiple of the block's 16 token streams:
 //   L <= Ct: a chunk is a whole sequence (C = L, bps = 1) and writes prob_sum[s] itself;
 //   L >  Ct: chunks of C = Ct tokens, bps = ceil(L / Ct) per sequence, reduced by the tree.
 // In the second case S = T / L < T / Ct <= kMaxChunks and S * bps < T / Ct + S < 2 kMaxChunks =
@@ -329,7 +331,7 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, max_chunks));
   const int sf = score_kind(c.score_function);
   if (wide)
-    launch_route_forward_wide(sf, logits.dtype() == DType::kBF16, grid, s, p);
+    launch_route_forward_wide(sf, grid, s, p);
   else if (logits.dtype() == DType::kF32)
     launch_forward_v<float>(V, sf, grid, s, p);
   else

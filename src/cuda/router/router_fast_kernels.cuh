@@ -227,6 +227,13 @@ __device__ __forceinline__ void finish_scalars(const FwdParams& p, float* s_f, u
   }
 }
 
+// Global statistics over several chunks where every block is exactly one chunk (grid = nchunks):
+// the last chunk to arrive is also the last block, so one ticket finishes both prob_sum and the
+// scalars (one fence and one atomic round trip less on the kernel's tail).
+__device__ __forceinline__ bool stats_merged(const FwdParams& p, bool want_prob, bool want_scal) {
+  return want_prob && want_scal && p.nchunks == p.bps && p.bps > 1 && p.nchunks == static_cast<int64_t>(gridDim.x);
+}
+
 // The tail of a chunk, shared by the fast kernels: the block's token streams wrote their rows of
 // prob sums (red[row * stride + e], rows in token-stream order) and their lse^2 / token-count leaves
 // (wlse, wcnt) and synchronised. Adds the rows in row order and either writes prob_sum (a chunk that
@@ -344,14 +351,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
   const bool need_softmax = SF == kScoreSoftmax || want_scal || (SF == kScoreSoftmaxAfterTopk && want_prob);
   const LT* logits = static_cast<const LT*>(p.logits);
 
-  for (int e = tid; e < EP; e += kThreads) {
-    float b = 0.0f;
-    if (p.bias != nullptr && e < E) {
-      b = __ldg(p.bias + e);
-      if (isnan(b)) b = -CUDART_INF_F;
-    }
-    s_bias[e] = b;
-  }
+  stage_bias(s_bias, p, EP);
 
   // Groups. Aligned: group g is the token's lanes [g * lpg, (g + 1) * lpg). Otherwise (one token
   // per warp only) the legacy layout: lane l's elements j < jb[l] belong to group gf[l], the
@@ -378,11 +378,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     }
   }
   const int my_group = grouped ? e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
-  // Global statistics over several chunks: every block is exactly one chunk (grid = nchunks), so
-  // the last chunk to arrive is also the last block, and one ticket finishes both prob_sum and the
-  // scalars (one fence and one atomic round trip less on the kernel's tail).
-  const bool merged = want_prob && want_scal && p.nchunks == p.bps && p.bps > 1 &&
-                      p.nchunks == static_cast<int64_t>(gridDim.x);
+  const bool merged = stats_merged(p, want_prob, want_scal);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
@@ -391,9 +387,8 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
 
   const int64_t step = static_cast<int64_t>(kWarps) * TPW;
   for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
-    const int64_t s = c / p.bps, jc = c - s * p.bps;
-    const int64_t t_begin = s * p.L + jc * p.C;
-    const int64_t t_end = s * p.L + min((jc + 1) * p.C, p.L);
+    const ChunkSpan span = chunk_span(p, c);
+    const int64_t s = span.s, jc = span.jc, t_begin = span.begin, t_end = span.end;
 
     float acc[V];
 #pragma unroll

@@ -323,6 +323,29 @@ __device__ __forceinline__ void store_slot(const FwdParams& p, int64_t o, int id
 
 // ---- route_forward ------------------------------------------------------------------------------
 
+// The selection bias staged in shared memory for experts [0, n) (n >= E pads with 0). NaN behaves
+// as -inf: score + NaN ranks as -inf in the reference, and score + -inf is -inf or, for an infinite
+// logit, NaN, which ranks the same. Without a bias, + 0 is what the reference adds.
+__device__ __forceinline__ void stage_bias(float* s_bias, const FwdParams& p, int n) {
+  for (int e = threadIdx.x; e < n; e += kThreads) {
+    float b = 0.0f;
+    if (p.bias != nullptr && e < p.E) {
+      b = __ldg(p.bias + e);
+      if (isnan(b)) b = -CUDART_INF_F;
+    }
+    s_bias[e] = b;
+  }
+}
+
+// Chunk c of the statistics: sequence s, its chunk jc, tokens [begin, end).
+struct ChunkSpan {
+  int64_t s, jc, begin, end;
+};
+__device__ __forceinline__ ChunkSpan chunk_span(const FwdParams& p, int64_t c) {
+  const int64_t s = c / p.bps, jc = c - s * p.bps;
+  return {s, jc, s * p.L + jc * p.C, s * p.L + min((jc + 1) * p.C, p.L)};
+}
+
 // Sums rows [first, first + n) of `src` (stride kMaxExperts) column by column in row order.
 __device__ __forceinline__ void sum_rows(const float* src, int64_t first, int n, int E, float* dst) {
   for (int e = threadIdx.x; e < E; e += kThreads) {
@@ -406,17 +429,8 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
       SF == kScoreSoftmax || want_scal || (SF == kScoreSoftmaxAfterTopk && want_prob);
   const LT* logits = static_cast<const LT*>(p.logits);
 
-  // Bias for selection only, staged in shared memory (registers are the scarce resource). NaN
-  // behaves as -inf: score + NaN ranks as -inf in the reference, and score + -inf is -inf or, for an
-  // infinite logit, NaN, which ranks the same. Without a bias, + 0 is what the reference adds.
-  for (int e = tid; e < 32 * V; e += kThreads) {
-    float b = 0.0f;
-    if (p.bias != nullptr && e < E) {
-      b = __ldg(p.bias + e);
-      if (isnan(b)) b = -CUDART_INF_F;
-    }
-    s_bias[e] = b;
-  }
+  // Bias for selection only, staged in shared memory (registers are the scarce resource).
+  stage_bias(s_bias, p, 32 * V);
   __syncthreads();
 
   // Groups: lane l's elements j < jb[l] belong to group gf[l], the others to gf[l] + 1 (kept in
@@ -446,9 +460,8 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
   __syncthreads();
 
   for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
-    const int64_t s = c / p.bps, jc = c - s * p.bps;
-    const int64_t t_begin = s * p.L + jc * p.C;
-    const int64_t t_end = s * p.L + min((jc + 1) * p.C, p.L);
+    const ChunkSpan span = chunk_span(p, c);
+    const int64_t s = span.s, jc = span.jc, t_begin = span.begin, t_end = span.end;
 
     float acc[V];
 #pragma unroll

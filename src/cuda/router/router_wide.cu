@@ -8,29 +8,20 @@ namespace {
 
 namespace rk = router_kernels;
 
-template <int NV, class LT>
+template <int NV>
 void launch_nv(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (sf) {
     case rk::kScoreSoftmax:
-      rk::route_forward_wide_kernel<NV, LT, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
       break;
     case rk::kScoreSoftmaxAfterTopk:
-      rk::route_forward_wide_kernel<NV, LT, rk::kScoreSoftmaxAfterTopk><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmaxAfterTopk><<<grid, rk::kThreads, 0, s>>>(p);
       break;
     default:
-      rk::route_forward_wide_kernel<NV, LT, rk::kScoreSigmoid><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::route_forward_wide_kernel<NV, float, rk::kScoreSigmoid><<<grid, rk::kThreads, 0, s>>>(p);
       break;
   }
   EPX_CHECK_LAUNCH("route_forward_wide_kernel");
-}
-
-template <class LT>
-void launch_lt(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
-  switch (p.E) {
-    case 64: launch_nv<4, LT>(sf, grid, s, p); break;
-    case 128: launch_nv<8, LT>(sf, grid, s, p); break;
-    default: launch_nv<16, LT>(sf, grid, s, p); break;
-  }
 }
 
 }  // namespace
@@ -49,11 +40,12 @@ bool wide_router_supports(const rk::FwdParams& p, bool bf16) {
 
 int wide_router_blocks() { return sm_count() * rk::kWideMinBlocks; }
 
-void launch_route_forward_wide(int sf, bool bf16, int grid, cudaStream_t s, const rk::FwdParams& p) {
-  if (bf16)
-    launch_lt<__nv_bfloat16>(sf, grid, s, p);
-  else
-    launch_lt<float>(sf, grid, s, p);
+void launch_route_forward_wide(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
+  switch (p.E) {
+    case 64: launch_nv<4>(sf, grid, s, p); break;
+    case 128: launch_nv<8>(sf, grid, s, p); break;
+    default: launch_nv<16>(sf, grid, s, p); break;
+  }
 }
 
 }  // namespace epx::cuda

@@ -15,7 +15,8 @@ bool wide_router_supports(const router_kernels::FwdParams& p, bool bf16);
 /// Blocks the wide kernel wants on this device (its chunks of tokens: one per block).
 int wide_router_blocks();
 
-/// Queues the wide kernel (sf: router_kernels::ScoreKind) on `stream`; the shape must be supported.
-void launch_route_forward_wide(int sf, bool bf16, int grid, cudaStream_t stream, const router_kernels::FwdParams& p);
+/// Queues the wide kernel (sf: router_kernels::ScoreKind, fp32 logits) on `stream`; the shape must be
+/// supported.
+void launch_route_forward_wide(int sf, int grid, cudaStream_t stream, const router_kernels::FwdParams& p);
 
 }  // namespace epx::cuda

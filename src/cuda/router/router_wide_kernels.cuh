@@ -36,7 +36,6 @@ namespace epx::cuda::router_kernels {
 constexpr int kWideLanes = 16;     // lanes per token
 constexpr int kWideStreams = 2 * kWarps;  // token streams of a block (a half-warp each)
 constexpr int kWideMinBlocks = 2;
-constexpr int kWideMaxExperts = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float ex2_approx(float x) {
@@ -135,17 +134,23 @@ __device__ __forceinline__ uint32_t wide_key(float x, float score, float bias, b
   return valid ? k : 0u;
 }
 
+// Composite of lane hl's element i: the key's high bits, then IM - e (unique per expert, and a larger
+// composite means a higher key, then a lower expert).
+template <int IB>
+__device__ __forceinline__ uint32_t wide_composite(uint32_t key, int hl, int i) {
+  constexpr uint32_t IM = (1u << IB) - 1u;
+  return (key & ~IM) | (IM - static_cast<uint32_t>(wide_expert(hl, i)));
+}
+
 // Lane's three best composites (key high bits, then IM - e), with kBelow only those strictly below
 // `below` (a refill).
 template <int NV, int IB, bool kBelow>
 __device__ __forceinline__ void wide_fill(const uint32_t (&ek)[NV], int hl, uint32_t below, uint32_t& c1, uint32_t& c2,
                                           uint32_t& c3) {
-  constexpr uint32_t IM = (1u << IB) - 1u;
   c1 = c2 = c3 = 0;
-  const uint32_t base = IM - 4u * static_cast<uint32_t>(hl);
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    const uint32_t c = (ek[i] & ~IM) | (base - static_cast<uint32_t>(64 * (i >> 2) + (i & 3)));
+    const uint32_t c = wide_composite<IB>(ek[i], hl, i);
     top3(c1, c2, c3, !kBelow || c < below ? c : 0u);
   }
 }
@@ -154,12 +159,10 @@ __device__ __forceinline__ void wide_fill(const uint32_t (&ek)[NV], int hl, uint
 template <int NV, int IB>
 __device__ __forceinline__ void wide_fill4(const uint32_t (&ek)[NV], int hl, uint32_t& c1, uint32_t& c2, uint32_t& c3,
                                            uint32_t& c4) {
-  constexpr uint32_t IM = (1u << IB) - 1u;
   c1 = c2 = c3 = c4 = 0;
-  const uint32_t base = IM - 4u * static_cast<uint32_t>(hl);
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    const uint32_t c = (ek[i] & ~IM) | (base - static_cast<uint32_t>(64 * (i >> 2) + (i & 3)));
+    const uint32_t c = wide_composite<IB>(ek[i], hl, i);
     const uint32_t l1 = min(c1, c);
     c1 = max(c1, c);
     const uint32_t l2 = min(c2, l1);
@@ -298,16 +301,8 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
   const bool grouped = G > 1;
   const bool has_bias = p.bias != nullptr;
 
-  for (int e = tid; e < E; e += kThreads) {
-    float b = 0.0f;
-    if (p.bias != nullptr) {
-      b = __ldg(p.bias + e);
-      if (isnan(b)) b = -CUDART_INF_F;
-    }
-    s_bias[e] = b;
-  }
-  const bool merged = want_prob && want_scal && p.nchunks == p.bps && p.bps > 1 &&
-                      p.nchunks == static_cast<int64_t>(gridDim.x);
+  stage_bias(s_bias, p, E);
+  const bool merged = stats_merged(p, want_prob, want_scal);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
@@ -315,9 +310,8 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
   __syncthreads();
 
   for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
-    const int64_t s = c / p.bps, jc = c - s * p.bps;
-    const int64_t t_begin = s * p.L + jc * p.C;
-    const int64_t t_end = s * p.L + min((jc + 1) * p.C, p.L);
+    const ChunkSpan span = chunk_span(p, c);
+    const int64_t s = span.s, jc = span.jc, t_begin = span.begin, t_end = span.end;
 
     float acc[NV];
 #pragma unroll
