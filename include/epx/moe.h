@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "epx/comm.h"
 #include "epx/grouped_gemm.h"
@@ -87,15 +88,36 @@ class MoEContext {
   std::unique_ptr<State> state_;
 };
 
+/// Who holds the parameters and gradients. kExternal is for frameworks whose tensors are the
+/// parameters (torch.nn.Parameter, a JAX array): the layer allocates neither, and the caller binds
+/// views of its own memory into params() and grads() (Tensor::wrap) with the shapes and dtypes of
+/// MoELayer::param_specs; forward checks every parameter it reads, backward every gradient it writes.
+enum class ParamStorage : uint8_t { kOwned, kExternal };
+
+/// One parameter of a layer: its name (stable, checkpoint-friendly), shape and dtype, for the
+/// parameter itself and for its gradient, and where it lives in MoEParams.
+struct ParamSpec {
+  const char* name;  // "gate", "expert_bias", "w_in", "b_in", "w_out", "b_out", "shared_w_in", "shared_w_out"
+  Tensor MoEParams::*field;
+  Shape shape;
+  DType dtype;
+  DType grad_dtype;  // expert_bias has no gradient: grad_dtype is its dtype and backward never writes it
+  bool trained;
+};
+
 class MoELayer {
  public:
-  MoELayer(Group& group, const MoEConfig& config);
+  MoELayer(Group& group, const MoEConfig& config, ParamStorage storage = ParamStorage::kOwned);
   ~MoELayer();
 
   const MoEConfig& config() const { return config_; }
   Group& group() const { return group_; }
   MoEParams& params() { return params_; }
   const MoEParams& grads() const { return grads_; }
+  /// For ParamStorage::kExternal: bind the gradient tensors backward writes (overwrites).
+  MoEParams& grads() { return grads_; }
+  /// The parameters this layer has on this rank (only those its config uses), in a fixed order.
+  const std::vector<ParamSpec>& param_specs() const { return specs_; }
 
   /// Deterministic initialisation, independent of the number of ranks (see the header note).
   void init_params(uint64_t seed, double stddev = 0.02);
@@ -114,8 +136,11 @@ class MoELayer {
                 double d_z = 1.0, Stream stream = {});
 
  private:
+  void check_bound(const char* fn, const MoEParams& p, bool grads) const;
+
   Group& group_;
   MoEConfig config_;
+  std::vector<ParamSpec> specs_;
   MoEParams params_;
   MoEParams grads_;
 };

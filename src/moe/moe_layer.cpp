@@ -112,29 +112,43 @@ void MoEConfig::validate(const char* fn, const Group& group) const {
           mlp_precision_name(precision), ", which needs a bf16, fp16 or fp32 layer, not fp64");
 }
 
-MoELayer::MoELayer(Group& group, const MoEConfig& config) : group_(group), config_(config) {
+MoELayer::MoELayer(Group& group, const MoEConfig& config, ParamStorage storage) : group_(group), config_(config) {
   const char* fn = "epx::MoELayer";
   config_.validate(fn, group);
-  const Device dev = group.device();
   const int64_t H = config.hidden, F = config.ffn_hidden, Fs = config.shared_ffn_hidden, E = config.router.num_experts;
   const int64_t Le = group.local_experts(), P = config.projections();
-  const DType dt = config.dtype, gt = accum_dtype(dt);
-  auto make = [&](MoEParams& p, DType t, DType expert_t) {
-    p.gate = Tensor::zeros({H, E}, t, dev);
-    p.w_in = Tensor::zeros({Le, H, P, F}, expert_t, dev);
-    p.w_out = Tensor::zeros({Le, F, H}, expert_t, dev);
-    if (config.expert_bias_terms) {
-      p.b_in = Tensor::zeros({Le, P, F}, expert_t, dev);
-      p.b_out = Tensor::zeros({Le, H}, expert_t, dev);
-    }
-    if (Fs > 0) {
-      p.shared_w_in = Tensor::zeros({1, H, P, Fs}, t, dev);
-      p.shared_w_out = Tensor::zeros({1, Fs, H}, t, dev);
-    }
-  };
-  make(params_, dt, dt);
-  make(grads_, gt, config.expert_grads_in_dtype ? dt : gt);
-  if (config.router.use_expert_bias) params_.expert_bias = Tensor::zeros({E}, DType::kF32, dev);
+  const DType dt = config.dtype, gt = accum_dtype(dt), expert_gt = config.expert_grads_in_dtype ? dt : gt;
+  specs_.push_back({"gate", &MoEParams::gate, {H, E}, dt, gt, true});
+  if (config.router.use_expert_bias)
+    specs_.push_back({"expert_bias", &MoEParams::expert_bias, {E}, DType::kF32, DType::kF32, false});
+  specs_.push_back({"w_in", &MoEParams::w_in, {Le, H, P, F}, dt, expert_gt, true});
+  if (config.expert_bias_terms) specs_.push_back({"b_in", &MoEParams::b_in, {Le, P, F}, dt, expert_gt, true});
+  specs_.push_back({"w_out", &MoEParams::w_out, {Le, F, H}, dt, expert_gt, true});
+  if (config.expert_bias_terms) specs_.push_back({"b_out", &MoEParams::b_out, {Le, H}, dt, expert_gt, true});
+  if (Fs > 0) {
+    specs_.push_back({"shared_w_in", &MoEParams::shared_w_in, {1, H, P, Fs}, dt, gt, true});
+    specs_.push_back({"shared_w_out", &MoEParams::shared_w_out, {1, Fs, H}, dt, gt, true});
+  }
+  if (storage == ParamStorage::kExternal) return;
+  const Device dev = group.device();
+  for (const ParamSpec& p : specs_) {
+    params_.*p.field = Tensor::zeros(p.shape, p.dtype, dev);
+    if (p.trained) grads_.*p.field = Tensor::zeros(p.shape, p.grad_dtype, dev);
+  }
+}
+
+void MoELayer::check_bound(const char* fn, const MoEParams& bound, bool grads) const {
+  const Device dev = group_.device();
+  for (const ParamSpec& p : specs_) {
+    if (grads && !p.trained) continue;
+    const TensorRef& t = (bound.*p.field).ref();
+    const std::string name = std::string(grads ? "grads()." : "params().") + p.name;
+    const DType want = grads ? p.grad_dtype : p.dtype;
+    require(t.defined(), fn, name, " is not bound, expected ", dtype_name(want), p.shape.str());
+    require(t.shape() == p.shape && t.dtype() == want, fn, name, " is ", t.str(), ", expected ", dtype_name(want),
+            p.shape.str());
+    check_device(fn, name.c_str(), t, dev);
+  }
 }
 
 MoELayer::~MoELayer() = default;
@@ -174,6 +188,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   check_tensor(fn, "out", out, {T, H}, {c.dtype});
   check_device(fn, "x", x, dev);
   check_device(fn, "out", out, dev);
+  check_bound(fn, params_, false);
   if (c.router.aux_loss == AuxLossType::kSequence)
     require(T % c.router.seq_len == 0, fn, "x has ", T, " tokens, expected a multiple of router.seq_len = ",
             c.router.seq_len, " for the sequence-level aux loss");
@@ -281,6 +296,8 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   check_tensor(fn, "d_x", d_x, {T, H}, {c.dtype});
   check_device(fn, "d_out", d_out, dev);
   check_device(fn, "d_x", d_x, dev);
+  check_bound(fn, params_, false);
+  check_bound(fn, grads_, true);
   const DType gt = accum_dtype(c.dtype);
   const int64_t cap = group_.recv_capacity_rows();
   auto mark = [&](const char* name) { mark_phase(dev, stream, name); };

@@ -484,5 +484,71 @@ TEST(MoELayer, ExpertGradsInLayerDtypeAreRoundedFp32Grads) {
   EXPECT_GT(nonzero, 0);
 }
 
+
+// A layer over parameters and gradients held elsewhere (a framework's tensors) computes exactly what
+// the layer owning them does, and names any parameter left unbound or bound with the wrong shape.
+TEST(MoELayer, ExternalParamStorageMatchesOwned) {
+  MoEConfig c = base_config(DType::kF32);
+  c.expert_bias_terms = true;
+  GroupConfig gc = group_for(c, 8);
+  auto go = Group::create_simulated(1, gc);
+  auto ge = Group::create_simulated(1, gc);
+  MoELayer owned(go[0], c), ext(ge[0], c, ParamStorage::kExternal);
+  owned.init_params(9, 0.5);
+  ASSERT_EQ(ext.param_specs().size(), owned.param_specs().size());
+  std::vector<Tensor> held;  // the "framework's" storage
+  for (const ParamSpec& p : ext.param_specs()) {
+    EXPECT_FALSE((ext.params().*p.field).defined()) << p.name << ": an external layer allocates nothing";
+    Tensor v = (owned.params().*p.field).clone();
+    Tensor g = Tensor::full(p.shape, p.grad_dtype, 123.0);  // backward must overwrite it
+    held.push_back(v);
+    held.push_back(g);
+    ext.params().*p.field = Tensor::wrap(v.ref(), nullptr);
+    if (p.trained) ext.grads().*p.field = Tensor::wrap(g.ref(), nullptr);
+  }
+  Tensor x = normal({8, c.hidden}, c.dtype, 9, 1), d = normal({8, c.hidden}, c.dtype, 9, 2);
+  Tensor out_o = Tensor::zeros({8, c.hidden}, c.dtype), dx_o = Tensor::zeros({8, c.hidden}, c.dtype);
+  Tensor out_e = Tensor::zeros({8, c.hidden}, c.dtype), dx_e = Tensor::zeros({8, c.hidden}, c.dtype);
+  run_ranks(go, [&](Group&) {
+    MoEContext ctx = owned.forward(x, out_o);
+    owned.backward(ctx, d, dx_o);
+  });
+  run_ranks(ge, [&](Group&) {
+    MoEContext ctx = ext.forward(x, out_e);
+    ext.backward(ctx, d, dx_e);
+  });
+  for (int64_t i = 0; i < out_o.numel(); ++i) {
+    ASSERT_EQ(out_e.item(i), out_o.item(i)) << "out element " << i;
+    ASSERT_EQ(dx_e.item(i), dx_o.item(i)) << "d_x element " << i;
+  }
+  for (const ParamSpec& p : ext.param_specs()) {
+    if (!p.trained) continue;
+    const Tensor& a = owned.grads().*p.field;
+    const Tensor& b = ext.grads().*p.field;
+    for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(b.item(i), a.item(i)) << p.name << " gradient element " << i;
+  }
+
+  // Unbound and mis-shaped bindings are named.
+  MoELayer bare(ge[0], c, ParamStorage::kExternal);
+  run_ranks(ge, [&](Group&) {
+    try {
+      bare.forward(x, out_e);
+      ADD_FAILURE() << "forward with unbound parameters must throw";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("params().gate is not bound"), std::string::npos) << e.what();
+    }
+  });
+  for (const ParamSpec& p : ext.param_specs()) bare.params().*p.field = ext.params().*p.field;
+  bare.params().w_out = Tensor::zeros({1, 2, 3}, c.dtype);
+  run_ranks(ge, [&](Group&) {
+    try {
+      bare.forward(x, out_e);
+      ADD_FAILURE() << "forward with a mis-shaped w_out must throw";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("params().w_out is fp32[1, 2, 3]"), std::string::npos) << e.what();
+    }
+  });
+}
+
 }  // namespace
 }  // namespace epx
