@@ -5,6 +5,7 @@
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
+#                            [python] [pip] [pybench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -22,6 +23,11 @@
 # PyTorch layers (default: deepseek-v3 mixtral).
 # ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
 # DeepSeek-V3 router, fp32 logits; T = 4096 prepare) and writes each report's details and per-instruction SASS counters as text.
+# python runs the Python package's pytest suites from the build tree (python_tests.log; PY_TESTS narrows
+# them, e.g. "tests/python/test_torch.py"); pip checks `pip install .` (no build isolation, CPU-fast
+# build without CUTLASS) into a scratch folder and runs epx.torch from there (pip.log); pybench runs
+# bench/torch_moe_bench.py: epx.torch.MoE beside `epx bench layer` and the PyTorch layer (torch_moe.jsonl;
+# PYBENCH_ARGS adds options, e.g. "--presets deepseek-v3").
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -183,5 +189,37 @@ if has profile; then
   EPX_PROFILE=1 timeout 300 "$BUILD/bin/epx" bench layer --preset "${PROFILE_PRESET:-deepseek-v3,mixtral}" --iters 5 \
     >"$OUT/profile.jsonl" 2>"$OUT/profile.err" || summary "profile failed rc=$?"
   cat "$OUT/profile.jsonl"
+fi
+if has python; then
+  PYTHONPATH=$PWD/$BUILD/python PYTHONUNBUFFERED=1 timeout 540 python3 -m pytest -q -rs -p no:cacheprovider \
+    ${PY_TESTS:-tests/python} >"$OUT/python_tests.log" 2>&1
+  rc=$?
+  tail -25 "$OUT/python_tests.log"
+  summary "python tests: rc=$rc $(tail -1 "$OUT/python_tests.log")"
+fi
+if has pip; then
+  t0=$(date +%s)
+  rm -rf /tmp/epx-pip
+  if timeout 400 python3 -m pip install --no-build-isolation --no-deps --target /tmp/epx-pip . \
+       -Ccmake.define.EPX_WITH_CUTLASS=OFF -Cbuild-dir=/tmp/epx-pip-build \
+       >"$OUT/pip.log" 2>&1; then
+    (cd /tmp && PYTHONPATH=/tmp/epx-pip python3 -c "
+import torch, epx, epx.torch as ept
+g = ept.Group.local('cuda', num_experts=8, hidden=64, max_tokens_per_rank=32, max_topk=2)
+idx, w = ept.Router(8, 2)(torch.randn(32, 8, device='cuda'))
+print('pip-installed epx', epx.__version__, 'from', epx.__file__, '| group', g, '| route ok:', bool((idx >= 0).all()))
+") >>"$OUT/pip.log" 2>&1
+    rc=$?
+  else
+    rc=$?
+  fi
+  tail -3 "$OUT/pip.log"
+  summary "pip install .: rc=$rc in $(( $(date +%s) - t0 )) s"
+fi
+if has pybench; then
+  PYTHONPATH=$PWD/$BUILD/python PYTHONUNBUFFERED=1 timeout 560 python3 bench/torch_moe_bench.py --epx-cli "$BUILD/bin/epx" \
+    --baseline .carry/bench/torch_ep_baseline.py ${PYBENCH_ARGS:-} >"$OUT/torch_moe.jsonl" 2>"$OUT/torch_moe.err" ||
+    summary "torch_moe_bench failed rc=$?"
+  cat "$OUT/torch_moe.jsonl"
 fi
 cat "$OUT/summary.txt"

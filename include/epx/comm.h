@@ -97,6 +97,11 @@ class Group {
   /// Several groups per process: every rank creates them in the same order, and the k-th (k >= 1)
   /// takes its id from "<EPX_NCCL_ID_FILE>.<k>" (EPX_NCCL_ID serves one group only).
   static Group create_from_env(const GroupConfig& config);
+  /// One process per GPU with the NCCL id shared by the caller's own means (a framework's key-value
+  /// store): nccl_id is nccl_unique_id() of rank 0, in hex, given to every rank; device is this
+  /// rank's CUDA device. Any number of groups per process.
+  static Group create_from_id(const std::string& nccl_id, int rank, int world_size, int device,
+                              const GroupConfig& config);
 
   int rank() const;
   int size() const;
@@ -122,6 +127,9 @@ class Group {
   explicit Group(std::unique_ptr<GroupState> s);
   std::unique_ptr<GroupState> state_;
 };
+
+/// A fresh NCCL unique id in hex (what EPX_NCCL_ID and Group::create_from_id take).
+std::string nccl_unique_id();
 
 /// Runs fn(group_of_rank_r) on one thread per rank and joins them; the first exception thrown by
 /// any rank is rethrown (after all threads ended) with the rank named.

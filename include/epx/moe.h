@@ -43,6 +43,10 @@ struct MoEConfig {
   /// Routed-expert weight gradients (w_in, b_in, w_out, b_out) in `dtype` instead of fp32: fp32
   /// accumulation, one rounding. With hundreds of local experts this halves tens of gigabytes.
   bool expert_grads_in_dtype = false;
+  /// Backward leaves the saved activations intact, so it may run again on the same forward
+  /// (autograd's retain_graph, gradcheck). Off: backward uses them as its scratch (no extra
+  /// [rows, (P+1)*F] buffers) and a second backward on that context is an error.
+  bool backward_keeps_saved = false;
 
   void validate(const char* fn, const Group& group) const;
   int projections() const { return is_gated(activation) ? 2 : 1; }

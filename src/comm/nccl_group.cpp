@@ -581,10 +581,20 @@ std::string hex(const ncclUniqueId& id) {
   return s;
 }
 
+// ncclCommInitRank on the current device, then this rank's group over the new communicator (which
+// the group owns).
+std::unique_ptr<GroupState> init_rank(const ncclUniqueId& id, int rank, int world, int device, const GroupConfig& config,
+                                      Transport requested, const char* fn) {
+  ncclComm_t c = nullptr;
+  nccl_check(ncclCommInitRank(&c, world, id, rank), "ncclCommInitRank");
+  return single_rank_state(c, /*owns_comm=*/true, device, rank, world, config, requested, fn);
+}
+
 ncclUniqueId from_hex(const std::string& s, const char* where) {
   ncclUniqueId id{};
-  require(s.size() == 2 * sizeof id.internal, "epx::Group::create_from_env", where, " holds ", s.size(),
-          " characters, expected ", 2 * sizeof id.internal, " hex digits (an ncclUniqueId)");
+  require(s.size() == 2 * sizeof id.internal && s.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos,
+          "epx::Group", where, " holds '", s.substr(0, 80), "' (", s.size(),
+          " characters), expected ", 2 * sizeof id.internal, " hex digits (an ncclUniqueId)");
   for (size_t i = 0; i < sizeof id.internal; ++i)
     id.internal[i] = static_cast<char>(std::stoi(s.substr(2 * i, 2), nullptr, 16));
   return id;
@@ -684,9 +694,25 @@ Group Group::create_from_env(const GroupConfig& config) {
       id = comm::from_hex(text, file);
     }
   }
-  ncclComm_t c = nullptr;
-  comm::nccl_check(ncclCommInitRank(&c, world, id, rank), "ncclCommInitRank");
-  return Group(comm::single_rank_state(c, /*owns_comm=*/true, local, rank, world, config, requested, fn));
+  return Group(comm::init_rank(id, rank, world, local, config, requested, fn));
+}
+
+Group Group::create_from_id(const std::string& nccl_id, int rank, int world_size, int device, const GroupConfig& config) {
+  const char* fn = "epx::Group::create_from_id";
+  const Transport requested = requested_transport(config, fn);
+  require(world_size >= 1 && rank >= 0 && rank < world_size, fn, "rank is ", rank, " and world_size is ", world_size,
+          ", expected 0 <= rank < world_size");
+  config.validate(fn, world_size);
+  const int n = detail::cuda_device_count();
+  require(device >= 0 && device < n, fn, "device is ", device, " but ", n, " CUDA device(s) are visible");
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  return Group(comm::init_rank(comm::from_hex(nccl_id, "nccl_id"), rank, world_size, device, config, requested, fn));
+}
+
+std::string nccl_unique_id() {
+  ncclUniqueId id{};
+  comm::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return comm::hex(id);
 }
 
 }  // namespace epx

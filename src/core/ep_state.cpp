@@ -173,6 +173,12 @@ std::vector<Group> Group::create_all_local(const GroupConfig&, std::vector<int>)
 Group Group::from_nccl(void*, const GroupConfig&) {
   throw Error(Status::kNotSupported, "epx::Group::from_nccl: epx was built without the CUDA backend");
 }
+Group Group::create_from_id(const std::string&, int, int, int, const GroupConfig&) {
+  throw Error(Status::kNotSupported, "epx::Group::create_from_id: epx was built without the CUDA backend");
+}
+std::string nccl_unique_id() {
+  throw Error(Status::kNotSupported, "epx::nccl_unique_id: epx was built without the CUDA backend");
+}
 Group Group::create_from_env(const GroupConfig&) {
   throw Error(Status::kNotSupported, "epx::Group::create_from_env: epx was built without the CUDA backend");
 }

@@ -286,9 +286,10 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   const char* fn = "epx::MoELayer::backward";
   const MoEConfig& c = config_;
   MoEContext::State& s = ctx.state();
-  // The expert FFNs use the saved activations as their backward scratch (see
-  // MlpConfig::backward_consumes_saved), so a context is backpropagated once per forward.
-  require(!s.used_by_backward, fn, "backward was already called on this context; run forward again first (backward ",
+  // Unless the config keeps them, the expert FFNs use the saved activations as their backward
+  // scratch (see MlpConfig::backward_consumes_saved), so a context is backpropagated once per forward.
+  const bool consume = !c.backward_keeps_saved;
+  require(!(consume && s.used_by_backward), fn, "backward was already called on this context; run forward again first (backward ",
           "consumes the saved activations)");
   const Device dev = group_.device();
   const int64_t T = s.num_tokens, H = c.hidden, E = c.router.num_experts, K = c.router.topk;
@@ -318,7 +319,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
               grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
   {
     detail::PhasePrefix in_ffn("bwd.ffn.");
-    expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision, true}, mt, mg, stream);
+    expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision, consume}, mt, mg, stream);
   }
   mark("bwd.ffn");
   const Tensor& d_x_routed = ensure(s.d_x_routed, {T, H}, c.dtype, dev);
@@ -345,7 +346,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
     MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
     {
       detail::PhasePrefix in_shared("bwd.shared.");
-      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, true}, st, sg, stream);
+      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume}, st, sg, stream);
     }
     detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
     mark("bwd.shared");

@@ -1,0 +1,97 @@
+"""epx._C without any framework: the CPU reference layer through Python, argument errors as Python
+exceptions with epx's messages. Runs everywhere the package builds."""
+import ctypes
+import math
+
+import pytest
+
+import epx
+from epx import _C
+
+
+def host(n, ctype=ctypes.c_float):
+    return (ctype * max(n, 1))()
+
+
+def ref_of(buf, dtype, shape):
+    return _C.Ref(ctypes.addressof(buf), dtype, list(shape), -1)
+
+
+def tiny_layer(dtype="fp32", storage=_C.ParamStorage.owned, tokens=8):
+    p = epx.find_preset("tiny")
+    cfg = epx.moe_config(p, getattr(epx.DType, dtype))
+    gc = epx.GroupConfig()
+    gc.num_experts, gc.hidden, gc.max_tokens_per_rank = p.experts, p.hidden, tokens
+    gc.max_dtype = getattr(epx.DType, dtype)
+    group = _C.Group.create_simulated(1, gc)[0]
+    return p, cfg, group, _C.MoELayer(group, cfg, storage)
+
+
+def test_build_info_and_presets():
+    assert epx.__version__.count(".") == 2
+    assert {"deepseek-v3", "mixtral", "tiny"} <= set(epx.preset_names())
+    p = epx.find_preset("deepseek-v3")
+    assert (p.hidden, p.ffn_hidden, p.experts, p.topk) == (7168, 2048, 256, 8)
+    with pytest.raises(ValueError, match="unknown|known"):
+        epx.find_preset("no-such-model")
+
+
+def test_layer_forward_backward_on_the_cpu_reference():
+    p, cfg, group, layer = tiny_layer()
+    assert (group.rank, group.size, group.local_experts) == (0, 1, p.experts)
+    layer.init_params(3, 0.5)
+    T, H = 8, p.hidden
+    x, out, d_out, d_x = host(T * H), host(T * H), host(T * H), host(T * H)
+    for i in range(T * H):
+        x[i] = math.sin(0.37 * i)
+        d_out[i] = math.cos(0.11 * i)
+    ctx = _C.MoEContext()
+    layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), ctx)
+    layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
+    assert all(math.isfinite(out[i]) for i in range(T * H))
+    assert any(out[i] != 0 for i in range(T * H)), "the layer's output is all zeros"
+    assert any(d_x[i] != 0 for i in range(T * H)), "d_x is all zeros"
+    with pytest.raises(ValueError, match="backward was already called"):
+        layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
+
+
+def test_external_parameters_give_the_owned_layer_results():
+    p, cfg, g_own, owned = tiny_layer()
+    _, _, g_ext, ext = tiny_layer(storage=_C.ParamStorage.external)
+    owned.init_params(5, 0.5)
+    keep = []
+    for name, shape, dtype, grad_dtype, trained in ext.param_specs():
+        n = math.prod(shape)
+        src = owned.param(name).describe()
+        buf = host(n)
+        ctypes.memmove(buf, src[0], 4 * n)
+        keep.append(buf)
+        ext.bind_param(name, ref_of(buf, dtype, shape))
+    T, H = 8, p.hidden
+    x = host(T * H)
+    for i in range(T * H):
+        x[i] = math.sin(0.5 * i + 1)
+    outs = []
+    for layer in (owned, ext):
+        out = host(T * H)
+        layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), _C.MoEContext())
+        outs.append(list(out))
+    assert outs[0] == outs[1]
+
+
+def test_errors_are_python_exceptions_with_epx_messages():
+    p, cfg, group, layer = tiny_layer()
+    x = host(8 * p.hidden)
+    out = host(8 * p.hidden)
+    with pytest.raises(ValueError, match=r"epx::MoELayer::forward: x has shape \[8, 3\]"):
+        layer.forward(ref_of(x, "fp32", [8, 3]), ref_of(out, "fp32", [8, p.hidden]), _C.MoEContext())
+    with pytest.raises(ValueError, match="no parameter named 'bogus'"):
+        layer.bind_param("bogus", ref_of(x, "fp32", [1]))
+    with pytest.raises(ValueError, match="unknown dtype 'fp7'"):
+        _C.Ref(0, "fp7", [1], -1)
+    _, _, _, bare = tiny_layer(storage=_C.ParamStorage.external)
+    with pytest.raises(ValueError, match=r"params\(\).gate is not bound"):
+        bare.forward(ref_of(x, "fp32", [8, p.hidden]), ref_of(out, "fp32", [8, p.hidden]), _C.MoEContext())
+    gc = epx.GroupConfig()
+    with pytest.raises(ValueError, match="num_experts is 0"):
+        _C.Group.create_simulated(1, gc)
