@@ -338,6 +338,8 @@ void bind_layer(nb::module_& m) {
 
 NB_MODULE(_C, m) {
   m.doc() = "epx: Mixture-of-Experts layers with expert parallelism (C++ core)";
+  // The framework layers keep groups, layers and configs in registries that live until exit.
+  nb::set_leak_warnings(false);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

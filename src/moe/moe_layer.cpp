@@ -189,6 +189,8 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   check_device(fn, "x", x, dev);
   check_device(fn, "out", out, dev);
   check_bound(fn, params_, false);
+  require(T <= group_.config().max_tokens_per_rank, fn, "x has ", T,
+          " tokens, the group was created for at most max_tokens_per_rank = ", group_.config().max_tokens_per_rank);
   if (c.router.aux_loss == AuxLossType::kSequence)
     require(T % c.router.seq_len == 0, fn, "x has ", T, " tokens, expected a multiple of router.seq_len = ",
             c.router.seq_len, " for the sequence-level aux loss");

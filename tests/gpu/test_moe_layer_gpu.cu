@@ -87,10 +87,16 @@ TEST(MoELayerGpu, GraphOfForwardBackwardReplaysBitIdentically) {
   ASSERT_EQ(cudaStreamSynchronize(cs), cudaSuccess);
   const Outputs eager = snapshot(L, out, d_x, ctx);
 
+  // Captured on a stream the layer has never seen (as torch.cuda.graph does after a warm-up on
+  // another stream), in the strictest capture mode.
+  cudaStream_t capture_stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&capture_stream, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  step();
-  ASSERT_EQ(cudaStreamEndCapture(cs, &graph), cudaSuccess) << "the layer step is not capturable";
+  ASSERT_EQ(cudaStreamBeginCapture(capture_stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  L.forward(x, out, ctx, Stream{capture_stream});
+  L.backward(ctx, d_out, d_x, 1.0, 1.0, Stream{capture_stream});
+  ASSERT_EQ(cudaStreamEndCapture(capture_stream, &graph), cudaSuccess) << "the layer step is not capturable";
+  cudaStreamDestroy(capture_stream);
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (int i = 0; i < 10; ++i) {

@@ -208,6 +208,13 @@ def gpu_moe(microbatches=1, tokens=256):
                    microbatches=microbatches)
 
 
+def rel_err(a, b):
+    """||a - b|| / ||b|| in fp64: the bf16 GPU layer rounds where the CPU reference keeps fp32, so
+    the comparison is by norm (as `epx demo`'s reference check does), not element by element."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def step(m, x, d_out, microbatch=0):
     out = m(x, microbatch=microbatch)
     out.backward(d_out)
@@ -230,12 +237,11 @@ def test_gpu_moe_matches_cpu_reference():
     out_g = step(m, xg, d.cuda())
     xc = x.clone().requires_grad_()
     out_c = step(ref, xc, d)
-    torch.testing.assert_close(out_g.cpu().float(), out_c.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(xg.grad.cpu().float(), xc.grad.float(), rtol=5e-2, atol=5e-3)
+    assert rel_err(out_g, out_c) < 5e-2
+    assert rel_err(xg.grad, xc.grad) < 8e-2
+    params = dict(m.named_parameters())
     for n, p in ref.named_parameters():
-        gp = dict(m.named_parameters())[n].grad.cpu().float()
-        scale = p.grad.float().abs().max().item() + 1e-6
-        assert (gp - p.grad.float()).abs().max().item() <= 3e-2 * scale, n
+        assert rel_err(params[n].grad, p.grad) < 8e-2, n
 
 
 @needs_gpu
@@ -322,7 +328,9 @@ def test_gpu_three_interleaved_microbatches():
 @needs_gpu
 def test_gpu_errors_are_value_errors():
     m = gpu_moe()
-    with pytest.raises(ValueError, match="epx::MoELayer::forward: x"):
+    with pytest.raises(ValueError, match="epx::MoELayer::forward: x has 300 tokens, .* max_tokens_per_rank = 256"):
         m(torch.randn(300, 128, dtype=torch.bfloat16, device="cuda"))  # more tokens than the group holds
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="epx::MoELayer::forward: x has dtype fp32"):
         m(torch.randn(16, 128, dtype=torch.float32, device="cuda"))
+    with pytest.raises(ValueError, match="expected a torch.Tensor"):
+        ept.Router(16, 4)([[1.0]])

@@ -28,6 +28,12 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rel_err(a, b):
+    """||a - b|| / ||b|| in fp64 (bf16 GPU layer against the CPU reference, as `epx demo` checks)."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def tokens(rank):
     g = torch.Generator().manual_seed(100 + rank)
     return (torch.randn(T, H, generator=g).to(torch.bfloat16),
@@ -71,7 +77,7 @@ def _moe_matches_reference(rank, world, transport, bootstrap):
     config = dict(num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K, align=16, transport=transport)
     group = ept.Group.from_process_group(**config) if bootstrap == "process_group" else ept.Group.from_env(**config)
     assert (group.rank, group.size) == (rank, world)
-    assert group.transport == (transport if transport != "auto" else "zerocopy"), group.transport
+    assert group.transport == {"auto": "zero-copy", "staged": "staged"}[transport], group.transport
     moe = ept.MoE(group, "small", **LAYER)
     x, d = tokens(rank)
     xg = x.cuda().requires_grad_()
@@ -87,21 +93,20 @@ def _moe_matches_reference(rank, world, transport, bootstrap):
     out_r, losses_r = ref(xr, return_losses=True)
     out_r.backward(torch.cat(ds))
     mine = slice(rank * T, (rank + 1) * T)
-    torch.testing.assert_close(out.cpu().float(), out_r[mine].float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(xg.grad.cpu().float(), xr.grad[mine].float(), rtol=5e-2, atol=5e-3)
-    torch.testing.assert_close(losses.cpu(), losses_r.float(), rtol=1e-3, atol=1e-6)
+    assert rel_err(out, out_r[mine]) < 5e-2
+    assert rel_err(xg.grad, xr.grad[mine]) < 8e-2
+    torch.testing.assert_close(losses.cpu().double(), losses_r.double(), rtol=2e-2, atol=1e-6)
     le = E // world
     experts = slice(rank * le, (rank + 1) * le)
     params = dict(moe.named_parameters())
     for name, p in ref.named_parameters():
         g = params[name].grad.float()
         if name in ("w_in", "w_out"):
-            want = p.grad[experts].float()  # this rank's experts saw every rank's tokens
+            want = p.grad[experts]  # this rank's experts saw every rank's tokens
         else:
             dist.all_reduce(g)  # replicated: each rank holds its own tokens' share
-            want = p.grad.float()
-        scale = want.abs().max().item() + 1e-6
-        assert (g.cpu() - want).abs().max().item() <= 3e-2 * scale, (rank, name)
+            want = p.grad
+        assert rel_err(g, want) < 8e-2, (rank, name)
 
 
 @pytest.mark.parametrize("transport", ["auto", "staged"])

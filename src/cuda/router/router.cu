@@ -24,6 +24,7 @@
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_fast_kernels.cuh"
@@ -58,45 +59,75 @@ struct Scratch {
   unsigned* status = nullptr;
 };
 
-Scratch& scratch_for(int device, cudaStream_t stream) {
-  static std::mutex mu;
-  // Never destroyed: the memory lives as long as the process (freeing it at exit would race the
-  // driver's own teardown).
-  static auto* cache = new std::map<std::pair<int, cudaStream_t>, Scratch>();
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(device, stream);
-  auto it = cache->find(key);
-  if (it != cache->end()) return it->second;
+// The scratch's layout; every slot of a pool has the same.
+struct ScratchLayout {
+  size_t rows0, rows1, lse, cnt, zero, acc, cnt1, cnt2, ticket, status, bytes;
+};
 
+ScratchLayout scratch_layout() {
+  ScratchLayout l{};
   size_t off = 0;
   auto take = [&off](size_t bytes) {
     const size_t at = off;
     off += (bytes + 255) / 256 * 256;
     return at;
   };
-  const size_t o_rows0 = take(sizeof(float) * rk::kRows0 * rk::kMaxExperts);
-  const size_t o_rows1 = take(sizeof(float) * rk::kRows1 * rk::kMaxExperts);
-  const size_t o_lse = take(sizeof(float) * rk::kMaxChunks);
-  const size_t o_cnt = take(sizeof(unsigned long long) * rk::kMaxChunks);
-  const size_t o_zero = off;
-  const size_t o_acc = take(sizeof(unsigned long long) * rk::kRows0 * rk::kMaxExperts);
-  const size_t o_cnt1 = take(sizeof(unsigned) * rk::kRows0);
-  const size_t o_cnt2 = take(sizeof(unsigned) * rk::kMaxChunks);
-  const size_t o_ticket = take(sizeof(unsigned));
-  const size_t o_status = take(sizeof(unsigned));
-  char* base = nullptr;
-  EPX_CUDA_CHECK(cudaMalloc(&base, off));
-  EPX_CUDA_CHECK(cudaMemsetAsync(base + o_zero, 0, off - o_zero, stream));
+  l.rows0 = take(sizeof(float) * rk::kRows0 * rk::kMaxExperts);
+  l.rows1 = take(sizeof(float) * rk::kRows1 * rk::kMaxExperts);
+  l.lse = take(sizeof(float) * rk::kMaxChunks);
+  l.cnt = take(sizeof(unsigned long long) * rk::kMaxChunks);
+  l.zero = off;
+  l.acc = take(sizeof(unsigned long long) * rk::kRows0 * rk::kMaxExperts);
+  l.cnt1 = take(sizeof(unsigned) * rk::kRows0);
+  l.cnt2 = take(sizeof(unsigned) * rk::kMaxChunks);
+  l.ticket = take(sizeof(unsigned));
+  l.status = take(sizeof(unsigned));
+  l.bytes = off;
+  return l;
+}
+
+// Scratch slots are handed out to streams from per-device blocks of kSlotsPerBlock, allocated
+// while no capture is running: a stream first seen during a CUDA graph capture (frameworks capture
+// on a stream of their own after warming up on another) takes a free slot with no allocation, and
+// only the capturable memset that zeroes its tickets.
+constexpr int kSlotsPerBlock = 16;
+
+Scratch& scratch_for(int device, cudaStream_t stream) {
+  static std::mutex mu;
+  // Never destroyed: the memory lives as long as the process (freeing it at exit would race the
+  // driver's own teardown).
+  static auto* cache = new std::map<std::pair<int, cudaStream_t>, Scratch>();
+  static auto* free_slots = new std::map<int, std::vector<char*>>();
+  static const ScratchLayout l = scratch_layout();
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(device, stream);
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+
+  std::vector<char*>& pool = (*free_slots)[device];
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  if (pool.empty()) {
+    require_status(capturing == cudaStreamCaptureStatusNone, Status::kNotSupported, "epx::route_forward",
+                   "a stream first used during a CUDA graph capture found no free router scratch on device ",
+                   device, " (", cache->size(), " streams hold one); run the router once on any stream before capturing");
+    char* block = nullptr;
+    EPX_CUDA_CHECK(cudaMalloc(&block, l.bytes * kSlotsPerBlock));
+    for (int i = kSlotsPerBlock - 1; i >= 0; --i) pool.push_back(block + i * l.bytes);
+  }
+  char* base = pool.back();
+  pool.pop_back();
+  EPX_CUDA_CHECK(cudaMemsetAsync(base + l.zero, 0, l.bytes - l.zero, stream));
   Scratch s;
-  s.acc = reinterpret_cast<unsigned long long*>(base + o_acc);
-  s.rows0 = reinterpret_cast<float*>(base + o_rows0);
-  s.rows1 = reinterpret_cast<float*>(base + o_rows1);
-  s.leaf_lse = reinterpret_cast<float*>(base + o_lse);
-  s.leaf_cnt = reinterpret_cast<unsigned long long*>(base + o_cnt);
-  s.cnt1 = reinterpret_cast<unsigned*>(base + o_cnt1);
-  s.cnt2 = reinterpret_cast<unsigned*>(base + o_cnt2);
-  s.ticket = reinterpret_cast<unsigned*>(base + o_ticket);
-  s.status = reinterpret_cast<unsigned*>(base + o_status);
+  s.acc = reinterpret_cast<unsigned long long*>(base + l.acc);
+  s.rows0 = reinterpret_cast<float*>(base + l.rows0);
+  s.rows1 = reinterpret_cast<float*>(base + l.rows1);
+  s.leaf_lse = reinterpret_cast<float*>(base + l.lse);
+  s.leaf_cnt = reinterpret_cast<unsigned long long*>(base + l.cnt);
+  s.cnt1 = reinterpret_cast<unsigned*>(base + l.cnt1);
+  s.cnt2 = reinterpret_cast<unsigned*>(base + l.cnt2);
+  s.ticket = reinterpret_cast<unsigned*>(base + l.ticket);
+  s.status = reinterpret_cast<unsigned*>(base + l.status);
   return cache->emplace(key, s).first->second;
 }
 
