@@ -321,8 +321,8 @@ def test_gpu_three_interleaved_microbatches():
     for i in range(3):
         assert torch.equal(outs[i].detach(), alone[i][0]), i
         assert torch.equal(ins[i].grad, alone[i][1]), i
-    for n, gr in grads(m).items():
-        torch.testing.assert_close(gr.float(), total[n], rtol=2e-2, atol=1e-3)
+    for n, gr in grads(m).items():  # bf16 gradients accumulated by autograd in another order
+        assert rel_err(gr, total[n]) < 1e-2, n
 
 
 @needs_gpu

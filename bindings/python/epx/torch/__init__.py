@@ -24,6 +24,13 @@ from ._module import MoE, layer_config
 __all__ = ["Group", "group_config", "MoE", "layer_config", "Router", "Routing", "prepare", "dispatch", "combine",
            "grouped_mlp"]
 
+def _tensor(fn, name, t, optional=False):
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{fn}: {name} is a {type(t).__name__}, expected a torch.Tensor")
+
+
 _SCORES = {"softmax": _C.ScoreFunction.softmax, "softmax_after_topk": _C.ScoreFunction.softmax_after_topk,
            "sigmoid": _C.ScoreFunction.sigmoid}
 
@@ -48,6 +55,8 @@ class Router:
         self.id = _ops.register_router(c)
 
     def __call__(self, logits, expert_bias=None):
+        _tensor("epx.torch.Router", "logits", logits)
+        _tensor("epx.torch.Router", "expert_bias", expert_bias, optional=True)
         return _ops.route(logits, expert_bias, self.id)
 
 
@@ -71,6 +80,8 @@ def prepare(group: Group, topk_idx, topk_weights=None, *, slot: int = 0, capacit
     masked), kept in the group's handle `slot` (one slot per layer x in-flight microbatch). With
     capacity_factor > 0 each expert keeps ceil(cf * T * K / E) pairs, dropped by position or by
     probability (drop_policy="by_probability" needs topk_weights). Collective."""
+    _tensor("epx.torch.prepare", "topk_idx", topk_idx)
+    _tensor("epx.torch.prepare", "topk_weights", topk_weights, optional=True)
     if drop_policy not in ("by_position", "by_probability"):
         raise ValueError(f"epx.torch.prepare: drop_policy is '{drop_policy}', expected by_position or by_probability")
     layout, rows, routed = _ops.prepare(topk_idx, topk_weights, group.id, slot, float(capacity_factor),
@@ -83,6 +94,8 @@ def dispatch(routing: Routing, x, topk_weights=None):
     token once per destination rank, expanded there into the expert-major layout (rows of local
     expert j in [layout[j], layout[j] + rows[j]), zero padding up to layout[j+1]; rows past
     layout[-1] unspecified). Differentiable in x and topk_weights. Collective."""
+    _tensor("epx.torch.dispatch", "x", x)
+    _tensor("epx.torch.dispatch", "topk_weights", topk_weights, optional=True)
     return _ops.dispatch(x, topk_weights, routing.layout, routing.group.id, routing.slot)
 
 
@@ -90,6 +103,8 @@ def combine(routing: Routing, y, row_weights=None):
     """y [recv_capacity_rows, H] expert outputs -> out [T, H]: the weighted (row_weights from
     dispatch) or plain sum over each token's slots, in fp32, deterministic. Differentiable in y
     and row_weights. Collective."""
+    _tensor("epx.torch.combine", "y", y)
+    _tensor("epx.torch.combine", "row_weights", row_weights, optional=True)
     return _ops.combine(y, row_weights, routing.layout, routing.num_tokens, routing.group.id, routing.slot)
 
 

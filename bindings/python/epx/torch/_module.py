@@ -123,6 +123,7 @@ class MoE(nn.Module):
             raise ValueError("epx.MoE: give either config= or a preset with overrides, not both")
         self.group = group
         self.config = config
+        self.hidden = int(config.hidden)  # plain ints for forward: torch.compile traces no C++ objects
         self.microbatches = int(microbatches)
         if self.microbatches < 1:
             raise ValueError(f"epx.MoE: microbatches is {microbatches}, expected >= 1")
@@ -163,8 +164,8 @@ class MoE(nn.Module):
         if not 0 <= microbatch < self.microbatches:
             raise ValueError(f"epx.MoE: microbatch is {microbatch}, expected 0 <= microbatch < {self.microbatches}")
         shape = x.shape
-        if shape[-1] != self.config.hidden:
-            raise ValueError(f"epx.MoE: x has shape {list(shape)}, expected [..., {self.config.hidden}]")
+        if shape[-1] != self.hidden:
+            raise ValueError(f"epx.MoE: x has shape {list(shape)}, expected [..., {self.hidden}]")
         out, losses = moe_forward(x.reshape(-1, shape[-1]).contiguous(), self._params(), self._id,
                                   self._slots[microbatch])
         out = out.view(shape)
