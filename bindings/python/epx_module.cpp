@@ -17,6 +17,9 @@
 #include "epx/epx.h"
 #include "epx/presets.h"
 #include "core/version.h"
+#ifdef EPX_WITH_JAX_FFI
+#include "jax_ffi.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -170,6 +173,7 @@ void bind_group(nb::module_& m) {
   nb::class_<Group>(m, "Group")
       .def_static("create_local", &Group::create_local, "config"_a, "device"_a = 0, Release())
       .def_static("create_simulated", &Group::create_simulated, "num_ranks"_a, "config"_a)
+      .def_static("create_all_local", &Group::create_all_local, "config"_a, "devices"_a = std::vector<int>{}, Release())
       .def_static("from_nccl",
                   [](uintptr_t comm, const GroupConfig& c) { return Group::from_nccl(reinterpret_cast<void*>(comm), c); },
                   "nccl_comm"_a, "config"_a, Release())
@@ -362,4 +366,7 @@ NB_MODULE(_C, m) {
   epx::bind_group(m);
   epx::bind_ops(m);
   epx::bind_layer(m);
+#ifdef EPX_WITH_JAX_FFI
+  epx::jax::bind_jax_ffi(m);
+#endif
 }

@@ -84,6 +84,19 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
 }
 
+void copy_async(const TensorRef& src, const TensorRef& dst, Stream stream) {
+  require(src.nbytes() == dst.nbytes(), "epx::copy_async", "src is ", src.str(), ", dst is ", dst.str(),
+          ", expected equal byte counts");
+  if (src.nbytes() == 0) return;
+  if (src.device().is_cpu() && dst.device().is_cpu()) {
+    std::memcpy(dst.data(), src.data(), src.nbytes());
+    return;
+  }
+  cuda_check(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault,
+                             static_cast<cudaStream_t>(stream.handle)),
+             "cudaMemcpyAsync");
+}
+
 void memset_bytes(void* dst, Device device, int value, size_t bytes) {
   if (bytes == 0) return;
   if (device.is_cpu()) {
@@ -185,6 +198,14 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   if (!dst_device.is_cpu() || !src_device.is_cpu())
     throw Error(Status::kNotSupported, "epx: device copy requested but epx was built without the CUDA backend");
   if (bytes) std::memcpy(dst, src, bytes);
+}
+
+void copy_async(const TensorRef& src, const TensorRef& dst, Stream) {
+  require(src.nbytes() == dst.nbytes(), "epx::copy_async", "src is ", src.str(), ", dst is ", dst.str(),
+          ", expected equal byte counts");
+  require_status(src.device().is_cpu() && dst.device().is_cpu(), Status::kNotSupported, "epx::copy_async",
+                 "device copy requested but epx was built without the CUDA backend");
+  if (src.nbytes()) std::memcpy(dst.data(), src.data(), src.nbytes());
 }
 
 void memset_bytes(void* dst, Device device, int value, size_t bytes) {

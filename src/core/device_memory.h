@@ -17,6 +17,9 @@ void device_free(void* ptr, int device) noexcept;
 /// Synchronous copy between host and/or device memory.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void memset_bytes(void* dst, Device device, int value, size_t bytes);
+/// Stream-ordered copy of src into dst (equal byte counts; host memory is copied at once): for
+/// framework bindings that hand out copies of epx-owned buffers without synchronising.
+void copy_async(const TensorRef& src, const TensorRef& dst, Stream stream);
 /// Waits for all work on the device (tools and benchmarks; never on a hot path).
 void device_synchronize(int device);
 /// Bytes in use on the device by every process and context (total - free): what a job sees.

@@ -6,16 +6,13 @@ import threading
 
 import torch
 
-from .. import _C
+from .. import _C, _config
 from ._tensors import epx_dtype
 
 _registry = {}  # id -> Group: the custom ops name their group by id (ops take no Python objects)
 _ids = itertools.count(1)
 _lock = threading.Lock()
 _env_groups = 0
-
-_TRANSPORTS = {"auto": _C.Transport.auto, "zerocopy": _C.Transport.zerocopy, "staged": _C.Transport.staged}
-
 
 def group_by_id(group_id):
     try:
@@ -24,23 +21,10 @@ def group_by_id(group_id):
         raise ValueError(f"epx.torch: no live Group with id {group_id} (it was closed or never made)") from None
 
 
-def group_config(num_experts, hidden, max_tokens_per_rank, *, max_topk=16, dtype=torch.bfloat16, align=128,
-                 recv_capacity_rows=0, num_sms=0, timeout_s=0.0, transport="auto"):
+def group_config(num_experts, hidden, max_tokens_per_rank, *, dtype=torch.bfloat16, **options):
     """An epx GroupConfig from keyword arguments (dtype: the widest payload dispatch will carry)."""
-    c = _C.GroupConfig()
-    c.num_experts = int(num_experts)
-    c.hidden = int(hidden)
-    c.max_tokens_per_rank = int(max_tokens_per_rank)
-    c.max_topk = int(max_topk)
-    c.max_dtype = getattr(_C.DType, epx_dtype(dtype))
-    c.align = int(align)
-    c.recv_capacity_rows = int(recv_capacity_rows)
-    c.num_sms = int(num_sms)
-    c.timeout_s = float(timeout_s)
-    if transport not in _TRANSPORTS:
-        raise ValueError(f"epx.torch.Group: transport is '{transport}', expected one of {', '.join(_TRANSPORTS)}")
-    c.transport = _TRANSPORTS[transport]
-    return c
+    return _config.group_config(num_experts, hidden, max_tokens_per_rank, dtype=epx_dtype(dtype),
+                                who="epx.torch.Group", **options)
 
 
 class Group:

@@ -1,0 +1,23 @@
+"""GroupConfig from keyword arguments, shared by the framework layers (epx.torch, epx.jax)."""
+from . import _C
+
+TRANSPORTS = {"auto": _C.Transport.auto, "zerocopy": _C.Transport.zerocopy, "staged": _C.Transport.staged}
+
+
+def group_config(num_experts, hidden, max_tokens_per_rank, *, max_topk=16, dtype="bf16", align=128,
+                 recv_capacity_rows=0, num_sms=0, timeout_s=0.0, transport="auto", who="epx.Group"):
+    """dtype: the epx name of the widest payload dispatch will carry ("bf16", "fp32", ...)."""
+    c = _C.GroupConfig()
+    c.num_experts = int(num_experts)
+    c.hidden = int(hidden)
+    c.max_tokens_per_rank = int(max_tokens_per_rank)
+    c.max_topk = int(max_topk)
+    c.max_dtype = getattr(_C.DType, dtype)
+    c.align = int(align)
+    c.recv_capacity_rows = int(recv_capacity_rows)
+    c.num_sms = int(num_sms)
+    c.timeout_s = float(timeout_s)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{who}: transport is '{transport}', expected one of {', '.join(TRANSPORTS)}")
+    c.transport = TRANSPORTS[transport]
+    return c

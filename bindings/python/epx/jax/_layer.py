@@ -1,0 +1,163 @@
+"""The MoE layer in JAX over the epx ops: gate -> route -> prepare -> dispatch -> grouped expert FFN
+-> combine, plus shared experts, as a pure function of its parameters (moe_layer) and as a Flax
+module (MoEBlock). Inside shard_map each device holds its local experts; the aux and z losses are
+reduced over `axis_name` when given, so they are global over the expert-parallel group."""
+import zlib
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from .. import _C
+from ._ops import combine, dispatch, grouped_mlp, prepare, register_router, route
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The static description of a layer (hashable: it is a jit-static argument)."""
+    hidden: int
+    ffn_hidden: int
+    shared_ffn_hidden: int
+    num_experts: int
+    topk: int
+    router_id: int
+    score: str
+    aux_loss_coeff: float
+    z_loss_coeff: float
+
+    @staticmethod
+    def from_preset(preset="deepseek-v3", **overrides):
+        p = _C.find_preset(preset)
+        c = _C.moe_config(p, _C.DType.bf16)
+        r = c.router
+        for k in ("num_experts", "topk", "num_groups", "group_topk", "normalize_weights", "routed_scaling_factor",
+                  "use_expert_bias"):
+            if k in overrides:
+                setattr(r, k, overrides.pop(k))
+        aux = float(overrides.pop("aux_loss_coeff", r.aux_loss_coeff))
+        z = float(overrides.pop("z_loss_coeff", r.z_loss_coeff))
+        hidden = int(overrides.pop("hidden", c.hidden))
+        ffn = int(overrides.pop("ffn_hidden", c.ffn_hidden))
+        shared = int(overrides.pop("shared_ffn_hidden", c.shared_ffn_hidden))
+        if overrides:
+            raise ValueError(f"epx.jax: unknown option(s) {', '.join(overrides)}")
+        # The FFI router selects and weighs; the losses are computed here in JAX (differentiable).
+        r.aux_loss = _C.AuxLossType.none
+        r.aux_loss_coeff = 0.0
+        r.z_loss_coeff = 0.0
+        score = {_C.ScoreFunction.softmax: "softmax", _C.ScoreFunction.softmax_after_topk: "softmax_after_topk",
+                 _C.ScoreFunction.sigmoid: "sigmoid"}[r.score_function]
+        return LayerSpec(hidden, ffn, shared, r.num_experts, r.topk, register_router(r), score, aux, z)
+
+    @property
+    def use_expert_bias(self):
+        from ._ops import _routers
+        return _routers[self.router_id].use_expert_bias
+
+
+def _psum(v, axis_name):
+    return jax.lax.psum(v, axis_name) if axis_name is not None else v
+
+
+def router_losses(spec, logits, routed, axis_name=None):
+    """(aux, z) on the routing actually used, global over axis_name: aux = coeff * E / (K T^2) *
+    sum_e P_e n_e with P_e the summed probabilities (softmax, or normalised sigmoid scores) and
+    n_e the routed pairs; z = coeff * sum_t logsumexp(logits_t)^2 / T."""
+    if logits.dtype != jnp.float64:
+        logits = logits.astype(jnp.float32)
+    if spec.score == "sigmoid":
+        s = jax.nn.sigmoid(logits)
+        p = s / jnp.sum(s, -1, keepdims=True)
+    else:
+        p = jax.nn.softmax(logits, -1)
+    E, K = spec.num_experts, spec.topk
+    T = _psum(jnp.asarray(logits.shape[0], logits.dtype), axis_name)
+    P = _psum(jnp.sum(p, 0), axis_name)
+    n = _psum(jnp.sum(jax.nn.one_hot(routed, E, dtype=logits.dtype), (0, 1)), axis_name)
+    aux = spec.aux_loss_coeff * E / (K * T * T) * jnp.sum(P * jax.lax.stop_gradient(n))
+    lse = jax.nn.logsumexp(logits, -1)
+    z = spec.z_loss_coeff * _psum(jnp.sum(lse * lse), axis_name) / T
+    return aux, z, n
+
+
+def moe_layer(params, x, *, group, spec, slot, axis_name=None):
+    """x [T, H] -> (out [T, H], {"aux", "z", "counts"}). params: gate [H, E], w_in [E_local, H, 2, F],
+    w_out [E_local, F, H], optional expert_bias [E] (selection only, never differentiated) and
+    shared_w_in [H, 2, Fs] / shared_w_out [Fs, H]. `slot` names this layer x microbatch's routing
+    handle (static). Collective over the group."""
+    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32  # fp64 only for gradient checks
+    logits = jnp.dot(x, params["gate"], preferred_element_type=acc)
+    bias = params.get("expert_bias")
+    bias = jax.lax.stop_gradient(bias) if bias is not None else jnp.zeros((0,), jnp.float32)
+    idx, w = route(spec.router_id, spec.topk, logits, bias)
+    r = prepare(group, slot, idx, w)
+    recv_x, recv_w = dispatch(r, x, w)
+    y = grouped_mlp(recv_x, r.layout, r.rows, params["w_in"], params["w_out"])
+    out = combine(r, y, recv_w)
+    if "shared_w_in" in params:
+        a = jnp.einsum("th,hpf->tpf", x, params["shared_w_in"], preferred_element_type=acc)
+        h = (jax.nn.silu(a[:, 0]) * a[:, 1]).astype(x.dtype)
+        out = out + jnp.dot(h, params["shared_w_out"], preferred_element_type=acc).astype(x.dtype)
+    aux, z, counts = router_losses(spec, logits, r.routed, axis_name)
+    return out, {"aux": aux, "z": z, "counts": counts}
+
+
+def update_expert_bias(bias, counts, rate=1e-3):
+    """DeepSeek-V3's aux-loss-free balancing: bias[e] += rate * sign(mean(n) - n[e])."""
+    return bias + rate * jnp.sign(jnp.mean(counts) - counts)
+
+
+def init_params(key, spec, local_experts, dtype=jnp.bfloat16, std=0.02):
+    """Normal(0, std) parameters of this rank's slice (local_experts of them)."""
+    H, F, Fs, E = spec.hidden, spec.ffn_hidden, spec.shared_ffn_hidden, spec.num_experts
+    k = jax.random.split(key, 5)
+    n = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)  # noqa: E731
+    p = {"gate": n(k[0], (H, E)), "w_in": n(k[1], (local_experts, H, 2, F)), "w_out": n(k[2], (local_experts, F, H))}
+    if spec.use_expert_bias:
+        p["expert_bias"] = jnp.zeros((E,), jnp.float32)
+    if Fs > 0:
+        p["shared_w_in"] = n(k[3], (H, 2, Fs))
+        p["shared_w_out"] = n(k[4], (Fs, H))
+    return p
+
+
+def slot_of(name, microbatch=0):
+    """A routing slot from a stable name (e.g. a module path) and a microbatch index."""
+    return (zlib.crc32(name.encode()) & 0xFFFFFF) * 64 + int(microbatch)
+
+
+try:
+    import flax.linen as nn
+
+    class MoEBlock(nn.Module):
+        """The MoE layer as a Flax module (use it inside shard_map for expert parallelism, with
+        axis_name the mesh axis of the group). Parameters: gate, w_in, w_out, shared_w_in,
+        shared_w_out; the expert bias lives in the "moe_state" collection (mutable) and is
+        updated with update_expert_bias from the "counts" the layer sows into "moe_stats".
+        __call__(x, microbatch=0) -> out; the aux and z losses are sown into "losses"."""
+        group: object
+        spec: LayerSpec
+        axis_name: str = None
+        dtype: object = jnp.bfloat16
+
+        @nn.compact
+        def __call__(self, x, microbatch: int = 0):
+            s, le = self.spec, self.group.local_experts
+            init = nn.initializers.normal(0.02)
+            p = {"gate": self.param("gate", init, (s.hidden, s.num_experts), self.dtype),
+                 "w_in": self.param("w_in", init, (le, s.hidden, 2, s.ffn_hidden), self.dtype),
+                 "w_out": self.param("w_out", init, (le, s.ffn_hidden, s.hidden), self.dtype)}
+            if s.shared_ffn_hidden > 0:
+                p["shared_w_in"] = self.param("shared_w_in", init, (s.hidden, 2, s.shared_ffn_hidden), self.dtype)
+                p["shared_w_out"] = self.param("shared_w_out", init, (s.shared_ffn_hidden, s.hidden), self.dtype)
+            if s.use_expert_bias:
+                p["expert_bias"] = self.variable("moe_state", "expert_bias", jnp.zeros, (s.num_experts,),
+                                                 jnp.float32).value
+            slot = slot_of("/".join(self.scope.path), microbatch)
+            out, aux = moe_layer(p, x, group=self.group, spec=s, slot=slot, axis_name=self.axis_name)
+            self.sow("losses", "aux", aux["aux"])
+            self.sow("losses", "z", aux["z"])
+            self.sow("moe_stats", "counts", aux["counts"])
+            return out
+except ImportError:  # Flax is optional: the functional layer above needs only JAX
+    MoEBlock = None

@@ -1,0 +1,245 @@
+"""The epx ops for JAX: XLA FFI calls (registered once per process, for the CUDA and the host
+platforms) wrapped in custom_vjp rules.
+
+A routing handle lives in C++ under (group id, device, slot) and is named by static attributes; the
+order of the calls that share it is data: prepare returns the expert offsets (`layout`) and
+dispatch / combine and their backwards take them as an argument, and the calls that change the
+handle (prepare, dispatch) are marked as having side effects so XLA neither drops nor merges them.
+Everything runs on XLA's stream with no host synchronisation, so the ops compose with jit and
+shard_map (each device of a mesh runs the call on its own group view).
+"""
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _C
+
+try:
+    _ffi = _C.jax_ffi
+except AttributeError:  # built without JAX's FFI headers
+    raise ImportError("epx was built without the JAX FFI handlers: install jax (with jaxlib) in the Python "
+                      "that builds epx, then rebuild (pip install . or CMake)") from None
+
+_registered = False
+
+
+def register_targets():
+    """Registers the handlers with XLA once per process (both platforms)."""
+    global _registered
+    if _registered:
+        return
+    for name, (gpu, cpu) in _ffi.targets().items():
+        jax.ffi.register_ffi_target(name, gpu, platform="CUDA")
+        jax.ffi.register_ffi_target(name, cpu, platform="cpu")
+    _registered = True
+
+
+register_targets()
+
+_ACTIVATIONS = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu2": 3}
+_routers = {}
+
+
+def _none(dtype=jnp.float32):
+    return jnp.zeros((0,), dtype)  # an absent optional argument
+
+
+def _i64(v):
+    return np.int64(v)
+
+
+# ---- router --------------------------------------------------------------------------------------
+def register_router(config):
+    rid = len(_routers) + 1
+    _ffi.register_router(rid, config)
+    _routers[rid] = config
+    return rid
+
+
+def _weights_dtype(logits):
+    return jnp.float64 if logits.dtype == jnp.float64 else jnp.float32
+
+
+def _route_call(router_id, topk, logits, bias):
+    T = logits.shape[0]
+    out = (jax.ShapeDtypeStruct((T, topk), jnp.int32), jax.ShapeDtypeStruct((T, topk), _weights_dtype(logits)))
+    return jax.ffi.ffi_call("epx_route", out)(logits, bias, router=_i64(router_id))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def route(router_id, topk, logits, bias):
+    """logits [T, E] -> (topk_idx [T, K] int32, topk_weights [T, K]); bias [E] fp32 or a [0] array."""
+    return _route_call(router_id, topk, logits, bias)
+
+
+def _route_fwd(router_id, topk, logits, bias):
+    idx, w = _route_call(router_id, topk, logits, bias)
+    return (idx, w), (logits, bias, idx)
+
+
+def _route_bwd(router_id, topk, res, cts):
+    logits, bias, idx = res
+    _, d_w = cts
+    d_logits = jax.ffi.ffi_call("epx_route_bwd", jax.ShapeDtypeStruct(logits.shape, logits.dtype))(
+        d_w.astype(_weights_dtype(logits)), logits, bias, idx, router=_i64(router_id))
+    return d_logits, jnp.zeros_like(bias)  # the selection bias gets no gradient
+
+
+route.defvjp(_route_fwd, _route_bwd)
+
+
+# ---- prepare -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Routing:
+    """Where this device's tokens go: `layout` [E_local + 1] int32 padded row offsets of the local
+    experts (the last is the received row count), `rows` [E_local] their real rows, `routed`
+    [T, K] the expert each slot kept (-1: masked or dropped). group_id / slot / capacity /
+    num_tokens are static."""
+    layout: jax.Array
+    rows: jax.Array
+    routed: jax.Array
+    group_id: int
+    slot: int
+    capacity: int
+    num_tokens: int
+
+
+jax.tree_util.register_dataclass(Routing, data_fields=["layout", "rows", "routed"],
+                                 meta_fields=["group_id", "slot", "capacity", "num_tokens"])
+
+
+def prepare(group, slot, topk_idx, topk_weights=None, capacity_factor=0.0, by_probability=False):
+    """Counts, expert-major offsets and per-rank destinations of topk_idx [T, K] (-1 = masked),
+    kept in the group's handle `slot` (one per layer x in-flight microbatch). Collective."""
+    T, K = topk_idx.shape
+    le = group.local_experts
+    out = (jax.ShapeDtypeStruct((le + 1,), jnp.int32), jax.ShapeDtypeStruct((le,), jnp.int32),
+           jax.ShapeDtypeStruct((T, K), jnp.int32))
+    w = topk_weights if topk_weights is not None else _none()
+    layout, rows, routed = jax.ffi.ffi_call("epx_prepare", out, has_side_effect=True)(
+        jax.lax.stop_gradient(topk_idx), jax.lax.stop_gradient(w), group=_i64(group.id), slot=_i64(slot),
+        capacity_factor=np.float32(capacity_factor), by_probability=bool(by_probability))
+    return Routing(layout, rows, routed, group.id, int(slot), group.recv_capacity_rows, T)
+
+
+# ---- dispatch ------------------------------------------------------------------------------------
+def _dispatch_call(r, x, w):
+    out = (jax.ShapeDtypeStruct((r.capacity, x.shape[1]), x.dtype),
+           jax.ShapeDtypeStruct((r.capacity if w.size else 0,), w.dtype))
+    return jax.ffi.ffi_call("epx_dispatch", out, has_side_effect=True)(x, w, r.layout, group=_i64(r.group_id),
+                                                                       slot=_i64(r.slot))
+
+
+@jax.custom_vjp
+def _dispatch(r, x, w):
+    return _dispatch_call(r, x, w)
+
+
+def _dispatch_fwd(r, x, w):
+    return _dispatch_call(r, x, w), (r, w)  # w ([T, K]) only for its shape and dtype
+
+
+def _dispatch_bwd(res, cts):
+    r, w = res
+    w_shape, w_dtype = w.shape, w.dtype
+    d_recv_x, d_recv_w = cts
+    out = (jax.ShapeDtypeStruct((r.num_tokens, d_recv_x.shape[1]), d_recv_x.dtype),
+           jax.ShapeDtypeStruct(w_shape, w_dtype))
+    d_x, d_w = jax.ffi.ffi_call("epx_dispatch_bwd", out)(d_recv_x, d_recv_w.astype(w_dtype), r.layout,
+                                                         group=_i64(r.group_id), slot=_i64(r.slot))
+    return _zero_routing(r), d_x, d_w
+
+
+def _zero_routing(r):
+    return jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), r)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(routing, x, topk_weights=None):
+    """x [T, H] -> (recv_x [capacity, H], recv_weights [capacity]): every token once per
+    destination rank, expanded there into the expert-major layout (rows of local expert j in
+    [layout[j], layout[j] + rows[j]), zero padding up to layout[j+1]; rows past layout[-1]
+    unspecified). Differentiable in x and topk_weights. Collective."""
+    w = topk_weights if topk_weights is not None else _none()
+    recv_x, recv_w = _dispatch(routing, x, w)
+    return recv_x, (recv_w if topk_weights is not None else None)
+
+
+# ---- combine -------------------------------------------------------------------------------------
+def _combine_call(r, y, rw):
+    out = jax.ShapeDtypeStruct((r.num_tokens, y.shape[1]), y.dtype)
+    return jax.ffi.ffi_call("epx_combine", out)(y, rw, r.layout, group=_i64(r.group_id), slot=_i64(r.slot))
+
+
+@jax.custom_vjp
+def _combine(r, y, rw):
+    return _combine_call(r, y, rw)
+
+
+def _combine_fwd(r, y, rw):
+    return _combine_call(r, y, rw), (r, y, rw)
+
+
+def _combine_bwd(res, d_out):
+    r, y, rw = res
+    out = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(rw.shape, rw.dtype))
+    d_y, d_rw = jax.ffi.ffi_call("epx_combine_bwd", out)(d_out, y, rw, r.layout, group=_i64(r.group_id),
+                                                         slot=_i64(r.slot))
+    return _zero_routing(r), d_y, d_rw
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(routing, y, row_weights=None):
+    """y [capacity, H] expert outputs -> out [T, H]: the weighted (row_weights from dispatch) or
+    plain sum over each token's slots, fp32, deterministic. Differentiable in y and row_weights."""
+    return _combine(routing, y, row_weights if row_weights is not None else _none())
+
+
+# ---- grouped expert FFN --------------------------------------------------------------------------
+def _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
+    n, P, F = x.shape[0], w_in.shape[2], w_in.shape[3]
+    out = (jax.ShapeDtypeStruct((n, w_out.shape[-1]), x.dtype), jax.ShapeDtypeStruct((n, P, F), x.dtype),
+           jax.ShapeDtypeStruct((n, F), x.dtype))
+    return jax.ffi.ffi_call("epx_mlp_fwd", out)(x, layout, rows, rw, w_in, b_in, w_out, b_out, activation=_i64(act))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mlp(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
+    return _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out)[0]
+
+
+def _mlp_fwd(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
+    y, a, h = _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out)
+    return y, (x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h)
+
+
+def _mlp_bwd(act, res, d_y):
+    x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h = res
+    like = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype)  # noqa: E731
+    out = (like(x), like(rw), like(w_in), like(b_in), like(w_out), like(b_out))
+    d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out = jax.ffi.ffi_call("epx_mlp_bwd", out)(
+        d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h, activation=_i64(act))
+    int0 = lambda t: np.zeros(t.shape, jax.dtypes.float0)  # noqa: E731
+    return d_x, int0(layout), int0(rows), d_rw, d_w_in, d_b_in, d_w_out, d_b_out
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def grouped_mlp(x, layout, rows, w_in, w_out, *, b_in=None, b_out=None, row_weights=None, activation="swiglu"):
+    """The experts' FFN over the expert-major layout: y = act(x . w_in[j] + b_in[j]) . w_out[j] +
+    b_out[j] for the rows of each local expert j (w_in [G, H, P, F], P = 2 for gated activations;
+    w_out [G, F, H]); with row_weights the activation is scaled by each row's weight before FC2."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"epx.jax.grouped_mlp: activation is '{activation}', expected one of {', '.join(_ACTIVATIONS)}")
+    none = _none(x.dtype)
+    return _mlp(_ACTIVATIONS[activation], x, layout, rows,
+                row_weights if row_weights is not None else _none(jnp.float64 if x.dtype == jnp.float64 else jnp.float32),
+                w_in, b_in if b_in is not None else none, w_out, b_out if b_out is not None else none)

@@ -1,0 +1,200 @@
+"""epx.jax: the FFI ops under jit against plain-JAX formulas and jax.test_util.check_grads on the CPU
+reference (fp64), and on GPUs the layer inside jit + shard_map over every local GPU against the
+CPU reference layer. Skips (with the reason) where JAX, the FFI handlers or GPUs are missing."""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # epx allocates its group buffers itself
+jax = pytest.importorskip("jax", reason="JAX is not installed: the epx.jax tests need it")
+import epx  # noqa: E402
+
+if not hasattr(epx._C, "jax_ffi"):
+    pytest.skip("epx was built without the JAX FFI handlers (no jax in the building Python)", allow_module_level=True)
+
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+import epx.jax as epj  # noqa: E402
+
+CPU = jax.devices("cpu")[0]
+try:
+    GPUS = jax.devices("gpu")
+except RuntimeError:
+    GPUS = []
+needs_gpu = pytest.mark.skipif(not GPUS, reason="no GPU visible to JAX: GPU tests of epx.jax skipped")
+
+
+def cpu_group(E, H, T, K, dtype=jnp.float64):
+    return epj.Group.local([CPU], num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K, dtype=dtype, align=4)
+
+
+def on_cpu(*arrays):
+    return [jax.device_put(a, CPU) for a in arrays]
+
+
+def dense_moe(x, idx, w, w_in, w_out):
+    """sum_k w[t,k] * SwiGLU FFN of expert idx[t,k] (masked slots skipped), in fp64."""
+    x, w_in, w_out = (np.asarray(a, np.float64) for a in (x, w_in, w_out))
+    idx, w = np.asarray(idx), np.asarray(w, np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = idx[t, k]
+            if e < 0:
+                continue
+            a = (x[t] @ w_in[e].reshape(x.shape[1], -1)).reshape(2, -1)
+            h = a[0] / (1 + np.exp(-a[0])) * a[1]
+            out[t] += w[t, k] * (h @ w_out[e])
+    return out
+
+
+def test_router_matches_softmax_topk_under_jit():
+    T, E, K = 32, 16, 4
+    logits = jax.device_put(jax.random.normal(jax.random.key(0), (T, E), jnp.float32), CPU)
+    logits = logits.at[3].set(jnp.nan)  # an all-NaN row is fully masked
+    r = epj.Router(E, K, normalize_weights=True)
+    idx, w = jax.jit(r)(logits)
+    p = np.asarray(jax.nn.softmax(logits.astype(jnp.float64), -1))
+    ref_i = np.argsort(-p, -1, kind="stable")[:, :K]
+    ref_w = np.take_along_axis(p, ref_i, -1)
+    ref_w /= ref_w.sum(-1, keepdims=True)
+    ok = np.arange(T) != 3
+    np.testing.assert_array_equal(np.asarray(idx)[ok], ref_i[ok])
+    np.testing.assert_allclose(np.asarray(w)[ok], ref_w[ok], rtol=1e-5, atol=1e-6)
+    assert (np.asarray(idx)[3] == -1).all() and (np.asarray(w)[3] == 0).all()
+
+
+def chain(group, x, logits, w_in, w_out, router, slot=0):
+    idx, w = router(logits)
+    r = epj.prepare(group, slot, idx, w)
+    recv_x, recv_w = epj.dispatch(r, x, w)
+    y = epj.grouped_mlp(recv_x, r.layout, r.rows, w_in, w_out)
+    return epj.combine(r, y, recv_w), idx, w
+
+
+def test_ops_chain_matches_dense_formula_and_check_grads_fp64():
+    E, H, F, K, T = 4, 8, 4, 2, 6
+    g = cpu_group(E, H, T, K)
+    k = jax.random.split(jax.random.key(1), 4)
+    x, logits = jax.random.normal(k[0], (T, H), jnp.float64), jax.random.normal(k[1], (T, E), jnp.float64)
+    w_in = 0.5 * jax.random.normal(k[2], (E, H, 2, F), jnp.float64)
+    w_out = 0.5 * jax.random.normal(k[3], (E, F, H), jnp.float64)
+    x, logits, w_in, w_out = on_cpu(x, logits, w_in, w_out)
+    r = epj.Router(E, K)
+    out, idx, w = jax.jit(lambda *a: chain(g, *a, r))(x, logits, w_in, w_out)
+    np.testing.assert_allclose(np.asarray(out), dense_moe(x, idx, w, w_in, w_out), rtol=1e-10, atol=1e-10)
+    check_grads(lambda *a: chain(g, *a, r)[0], (x, logits, w_in, w_out), order=1, modes=["rev"])
+
+
+def test_grouped_mlp_early_weights_and_biases_check_grads_fp64():
+    G, H, F, rows = 3, 6, 4, 10
+    layout = jnp.array([0, 4, 4, 8], jnp.int32)  # expert 1 empty; padding rows 3 and 7
+    nrows = jnp.array([3, 0, 3], jnp.int32)
+    k = jax.random.split(jax.random.key(2), 6)
+    args = on_cpu(jax.random.normal(k[0], (rows, H)), jax.random.uniform(k[1], (rows,)),
+                  jax.random.normal(k[2], (G, H, 2, F)), jax.random.normal(k[3], (G, 2, F)),
+                  jax.random.normal(k[4], (G, F, H)), jax.random.normal(k[5], (G, H)))
+    layout, nrows = on_cpu(layout, nrows)
+
+    def f(x, rw, w_in, b_in, w_out, b_out):
+        return epj.grouped_mlp(x, layout, nrows, w_in, w_out, b_in=b_in, b_out=b_out, row_weights=rw)[:8]
+
+    check_grads(f, tuple(a.astype(jnp.float64) for a in args), order=1, modes=["rev"])
+
+
+def test_moe_layer_on_the_cpu_reference_under_jit():
+    spec = epj.LayerSpec.from_preset("tiny", aux_loss_coeff=0.3, z_loss_coeff=0.2)
+    g = cpu_group(spec.num_experts, spec.hidden, 16, spec.topk)
+    params = jax.device_put(epj.init_params(jax.random.key(3), spec, g.local_experts, jnp.float64, std=0.5), CPU)
+    x = jax.device_put(jax.random.normal(jax.random.key(4), (16, spec.hidden), jnp.float64), CPU)
+
+    def loss(params, x):
+        out, l = epj.moe_layer(params, x, group=g, spec=spec, slot=7)
+        return jnp.sum(out ** 2) + l["aux"] + l["z"], l
+
+    (value, l), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    assert np.isfinite(float(value)) and float(l["aux"]) > 0 and float(l["z"]) > 0
+    assert float(jnp.sum(l["counts"])) == 16 * spec.topk
+    for name, gp in grads[0].items():
+        if name == "expert_bias":
+            assert not np.any(np.asarray(gp)), "the selection bias must get no gradient"
+        else:
+            assert np.any(np.asarray(gp) != 0), name
+    check_grads(lambda x: loss(params, x)[0], (x,), order=1, modes=["rev"])
+
+
+def test_errors_surface_as_exceptions_with_epx_messages():
+    g = cpu_group(4, 8, 6, 2)
+    idx = jax.device_put(jnp.array([[0, 9]] * 6, jnp.int32), CPU)  # expert 9 of 4
+    with pytest.raises(Exception, match=r"epx::prepare: topk_idx\[0, 1\] is 9, expected -1 \(masked\) or an expert id in \[0, 4\)"):
+        jax.block_until_ready(epj.prepare(g, 0, idx).layout)
+    with pytest.raises(ValueError, match="score is 'bogus'"):
+        epj.Router(4, 2, score="bogus")
+    with pytest.raises(ValueError, match="activation is 'tanh'"):
+        epj.grouped_mlp(jnp.zeros((4, 8)), jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros((1, 8, 2, 4)),
+                        jnp.zeros((1, 4, 8)), activation="tanh")
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@needs_gpu
+def test_gpu_moe_layer_jit_shard_map_matches_cpu_reference():
+    from jax.sharding import Mesh, PartitionSpec as P
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    if not epx._C.gpu_grouped_gemm:
+        pytest.skip("built without the CUTLASS grouped GEMMs")
+    R, T = len(GPUS), 128
+    spec = epj.LayerSpec.from_preset("small", hidden=128, ffn_hidden=64, shared_ffn_hidden=64, num_experts=16)
+    g = epj.Group.local(GPUS, num_experts=16, hidden=128, max_tokens_per_rank=T, max_topk=spec.topk, align=16)
+    ref_g = epj.Group.local([CPU], num_experts=16, hidden=128, max_tokens_per_rank=R * T, max_topk=spec.topk,
+                            dtype=jnp.float32, align=16)
+    full = epj.init_params(jax.random.key(5), spec, 16, jnp.bfloat16, std=0.1)
+    x = jax.random.normal(jax.random.key(6), (R * T, 128), jnp.float32).astype(jnp.bfloat16)
+    d = (0.1 * jax.random.normal(jax.random.key(7), (R * T, 128), jnp.float32)).astype(jnp.bfloat16)
+
+    mesh = Mesh(np.array(GPUS), ("ep",))
+    experts = {"w_in": P("ep"), "w_out": P("ep")}
+    pspec = {k: experts.get(k, P()) for k in full}
+
+    def step(params, x, d):
+        def f(params, x):
+            out, l = epj.moe_layer(params, x, group=g, spec=spec, slot=1, axis_name="ep")
+            return jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32)) + l["aux"] + l["z"], (out, l["aux"])
+
+        (v, (out, aux)), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
+        # replicated parameters' gradients hold this rank's tokens: sum them over the group
+        gp = {k: (gr if k in experts else jax.lax.psum(gr, "ep")) for k, gr in grads[0].items()}
+        return out, aux, gp, grads[1]
+
+    sharded = jax.jit(shard_map(step, mesh=mesh, in_specs=(pspec, P("ep"), P("ep")),
+                                out_specs=(P("ep"), P(), pspec, P("ep")), check_vma=False)
+                      if "check_vma" in shard_map.__code__.co_varnames else
+                      shard_map(step, mesh=mesh, in_specs=(pspec, P("ep"), P("ep")),
+                                out_specs=(P("ep"), P(), pspec, P("ep")), check_rep=False))
+    out, aux, gp, gx = sharded(full, x, d)
+    g.check()
+
+    cpu = lambda a: jax.device_put(a, CPU)  # noqa: E731
+    f32 = jax.tree_util.tree_map(lambda a: cpu(a.astype(jnp.float32)), full)
+
+    def ref_f(params, x):
+        o, l = epj.moe_layer(params, x, group=ref_g, spec=spec, slot=1)
+        return jnp.sum(o * cpu(d).astype(jnp.float32)) + l["aux"] + l["z"], (o, l["aux"])
+
+    (_, (out_r, aux_r)), (gp_r, gx_r) = jax.value_and_grad(ref_f, argnums=(0, 1), has_aux=True)(
+        f32, cpu(x).astype(jnp.float32))
+    assert rel_err(out, out_r) < 5e-2
+    assert rel_err(gx, gx_r) < 8e-2
+    assert abs(float(aux) - float(aux_r)) <= 2e-2 * abs(float(aux_r)) + 1e-7
+    for k in gp_r:
+        if k != "expert_bias":
+            assert rel_err(gp[k], gp_r[k]) < 8e-2, k
