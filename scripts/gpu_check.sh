@@ -5,7 +5,7 @@
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
-#                            [python] [pip] [pybench]
+#                            [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -27,7 +27,8 @@
 # them, e.g. "tests/python/test_torch.py"); pip checks `pip install .` (no build isolation, CPU-fast
 # build without CUTLASS) into a scratch folder and runs epx.torch from there (pip.log); pybench runs
 # bench/torch_moe_bench.py: epx.torch.MoE beside `epx bench layer` and the PyTorch layer (torch_moe.jsonl;
-# PYBENCH_ARGS adds options, e.g. "--presets deepseek-v3").
+# PYBENCH_ARGS adds options, e.g. "--presets deepseek-v3"); jaxbench runs bench/jax_moe_bench.py: the
+# epx.jax layer under jit + shard_map beside the pure-JAX MoE baseline (jax_moe.jsonl; JAXBENCH_ARGS).
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -221,5 +222,10 @@ if has pybench; then
     --baseline .carry/bench/torch_ep_baseline.py ${PYBENCH_ARGS:-} >"$OUT/torch_moe.jsonl" 2>"$OUT/torch_moe.err" ||
     summary "torch_moe_bench failed rc=$?"
   cat "$OUT/torch_moe.jsonl"
+fi
+if has jaxbench; then
+  PYTHONPATH=$PWD/$BUILD/python PYTHONUNBUFFERED=1 timeout 560 python3 bench/jax_moe_bench.py ${JAXBENCH_ARGS:-} \
+    >"$OUT/jax_moe.jsonl" 2>"$OUT/jax_moe.err" || summary "jax_moe_bench failed rc=$?"
+  cat "$OUT/jax_moe.jsonl"
 fi
 cat "$OUT/summary.txt"
