@@ -27,6 +27,17 @@ except RuntimeError:
 needs_gpu = pytest.mark.skipif(not GPUS, reason="no GPU visible to JAX: GPU tests of epx.jax skipped")
 
 
+@pytest.fixture(autouse=True)
+def cpu_by_default(request):
+    """The CPU tests keep every array and eager op on the CPU (the reference backend), whatever the
+    default device; the GPU tests place their own."""
+    if request.node.name.startswith("test_gpu"):
+        yield
+    else:
+        with jax.default_device(CPU):
+            yield
+
+
 def cpu_group(E, H, T, K, dtype=jnp.float64):
     return epj.Group.local([CPU], num_experts=E, hidden=H, max_tokens_per_rank=T, max_topk=K, dtype=dtype, align=4)
 

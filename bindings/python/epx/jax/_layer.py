@@ -80,13 +80,33 @@ def router_losses(spec, logits, routed, axis_name=None):
     return aux, z, n
 
 
+@jax.custom_vjp
+def gate_logits(x, gate):
+    """logits = x . gate with fp32 output (fp64 for fp64 inputs); the backward's two GEMMs take the
+    gradient rounded to x's dtype, as tensor cores take it (an fp32 cotangent would make XLA run
+    them in fp32)."""
+    return jnp.dot(x, gate, preferred_element_type=jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+
+
+def _gate_fwd(x, gate):
+    return gate_logits(x, gate), (x, gate)
+
+
+def _gate_bwd(res, d_logits):
+    x, gate = res
+    d = d_logits.astype(x.dtype)
+    return jnp.dot(d, gate.T), jnp.dot(x.T, d)
+
+
+gate_logits.defvjp(_gate_fwd, _gate_bwd)
+
+
 def moe_layer(params, x, *, group, spec, slot, axis_name=None):
     """x [T, H] -> (out [T, H], {"aux", "z", "counts"}). params: gate [H, E], w_in [E_local, H, 2, F],
     w_out [E_local, F, H], optional expert_bias [E] (selection only, never differentiated) and
-    shared_w_in [H, 2, Fs] / shared_w_out [Fs, H]. `slot` names this layer x microbatch's routing
+    shared_w_in [1, H, 2, Fs] / shared_w_out [1, Fs, H]. `slot` names this layer x microbatch's routing
     handle (static). Collective over the group."""
-    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32  # fp64 only for gradient checks
-    logits = jnp.dot(x, params["gate"], preferred_element_type=acc)
+    logits = gate_logits(x, params["gate"])
     bias = params.get("expert_bias")
     bias = jax.lax.stop_gradient(bias) if bias is not None else jnp.zeros((0,), jnp.float32)
     idx, w = route(spec.router_id, spec.topk, logits, bias)
@@ -95,9 +115,12 @@ def moe_layer(params, x, *, group, spec, slot, axis_name=None):
     y = grouped_mlp(recv_x, r.layout, r.rows, params["w_in"], params["w_out"])
     out = combine(r, y, recv_w)
     if "shared_w_in" in params:
-        a = jnp.einsum("th,hpf->tpf", x, params["shared_w_in"], preferred_element_type=acc)
-        h = (jax.nn.silu(a[:, 0]) * a[:, 1]).astype(x.dtype)
-        out = out + jnp.dot(h, params["shared_w_out"], preferred_element_type=acc).astype(x.dtype)
+        # The shared experts: one dense FFN over every token, as a one-group grouped FFN (the same
+        # kernels, fp32 accumulation, and a backward in the layer dtype).
+        T = x.shape[0]
+        shared = grouped_mlp(x, jnp.array([0, T], jnp.int32), jnp.array([T], jnp.int32), params["shared_w_in"],
+                             params["shared_w_out"])
+        out = out + shared
     aux, z, counts = router_losses(spec, logits, r.routed, axis_name)
     return out, {"aux": aux, "z": z, "counts": counts}
 
@@ -116,8 +139,8 @@ def init_params(key, spec, local_experts, dtype=jnp.bfloat16, std=0.02):
     if spec.use_expert_bias:
         p["expert_bias"] = jnp.zeros((E,), jnp.float32)
     if Fs > 0:
-        p["shared_w_in"] = n(k[3], (H, 2, Fs))
-        p["shared_w_out"] = n(k[4], (Fs, H))
+        p["shared_w_in"] = n(k[3], (1, H, 2, Fs))
+        p["shared_w_out"] = n(k[4], (1, Fs, H))
     return p
 
 
@@ -148,8 +171,8 @@ try:
                  "w_in": self.param("w_in", init, (le, s.hidden, 2, s.ffn_hidden), self.dtype),
                  "w_out": self.param("w_out", init, (le, s.ffn_hidden, s.hidden), self.dtype)}
             if s.shared_ffn_hidden > 0:
-                p["shared_w_in"] = self.param("shared_w_in", init, (s.hidden, 2, s.shared_ffn_hidden), self.dtype)
-                p["shared_w_out"] = self.param("shared_w_out", init, (s.shared_ffn_hidden, s.hidden), self.dtype)
+                p["shared_w_in"] = self.param("shared_w_in", init, (1, s.hidden, 2, s.shared_ffn_hidden), self.dtype)
+                p["shared_w_out"] = self.param("shared_w_out", init, (1, s.shared_ffn_hidden, s.hidden), self.dtype)
             if s.use_expert_bias:
                 p["expert_bias"] = self.variable("moe_state", "expert_bias", jnp.zeros, (s.num_experts,),
                                                  jnp.float32).value
