@@ -45,7 +45,10 @@ def timed(fn, iters):
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def bench_preset(name, tokens, iters, devices):
+def bench_preset(name, tokens, iters, devices, variant="full"):
+    """variant (diagnostics of where the time goes): full; no_shared (drop the shared experts);
+    no_losses (the aux and z losses left out of the differentiated loss); x_grad_only (gradient of
+    x only, no parameter gradient)."""
     R = len(devices)
     spec = epj.LayerSpec.from_preset(name)
     p = epx_preset(name)
@@ -55,6 +58,8 @@ def bench_preset(name, tokens, iters, devices):
     mesh = Mesh(np.array(devices), ("ep",))
     experts = {"w_in", "w_out"}
     params = epj.init_params(jax.random.key(0), spec, spec.num_experts, jnp.bfloat16)
+    if variant == "no_shared":
+        params = {k: v for k, v in params.items() if not k.startswith("shared")}
     pspec = {k: (P("ep") if k in experts else P()) for k in params}
     params = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in pspec.items()})
     x = jax.device_put(jax.random.normal(jax.random.key(1), (R * T, spec.hidden), jnp.bfloat16),
@@ -68,7 +73,10 @@ def bench_preset(name, tokens, iters, devices):
     def fwd_bwd(params, x, d):
         def loss(params, x):
             out, l = epj.moe_layer(params, x, group=group, spec=spec, slot=1, axis_name="ep")
-            return jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32)) + l["aux"] + l["z"]
+            value = jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32))
+            return value if variant == "no_losses" else value + l["aux"] + l["z"]
+        if variant == "x_grad_only":
+            return params, jax.grad(loss, argnums=1)(params, x)
         return jax.grad(loss, argnums=(0, 1))(params, x)
 
     f = jax.jit(smap(fwd, mesh, (pspec, P("ep")), P("ep")))
@@ -80,6 +88,8 @@ def bench_preset(name, tokens, iters, devices):
     line = {"bench": "layer", "impl": "epx.jax", "preset": name, "ranks": R, "tokens": T, "hidden": spec.hidden,
             "ffn": spec.ffn_hidden, "experts": spec.num_experts, "topk": spec.topk, "transport": group.transport,
             "fwd_us": round(t_f, 1), "fwd_bwd_us": round(t_fb, 1), "iters": iters}
+    if variant != "full":
+        line["variant"] = variant
     if "peak_bytes_in_use" in stats:
         line["gpu_mem_peak_gb"] = round(stats["peak_bytes_in_use"] / 1e9, 2)
     group.close()
@@ -97,13 +107,16 @@ def main():
     ap.add_argument("--tokens", type=int, default=0, help="tokens per device (0: the preset's)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--variants", default="full", help="comma list: full, no_shared, no_losses, x_grad_only")
     a = ap.parse_args()
     devices = jax.devices()
     mine = {}
     for name in a.presets.split(","):
-        line = bench_preset(name, a.tokens, a.iters, devices)
-        mine[name] = line
-        print(json.dumps(line), flush=True)
+        for variant in a.variants.split(","):
+            line = bench_preset(name, a.tokens, a.iters, devices, variant)
+            if variant == "full":
+                mine[name] = line
+            print(json.dumps(line), flush=True)
     if a.no_baseline:
         return
     base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_moe_baseline.py")
