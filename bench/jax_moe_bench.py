@@ -68,11 +68,11 @@ def bench_preset(name, tokens, iters, devices, variant="full"):
                        NamedSharding(mesh, P("ep")))
 
     def fwd(params, x):
-        return epj.moe_layer(params, x, group=group, spec=spec, slot=1, axis_name="ep")[0]
+        return epj.moe_layer(params, x, group=group, spec=spec, slot=1)[0]
 
     def fwd_bwd(params, x, d):
         def loss(params, x):
-            out, l = epj.moe_layer(params, x, group=group, spec=spec, slot=1, axis_name="ep")
+            out, l = epj.moe_layer(params, x, group=group, spec=spec, slot=1)
             value = jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32))
             return value if variant == "no_losses" else value + l["aux"] + l["z"]
         if variant == "x_grad_only":

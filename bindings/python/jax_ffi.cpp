@@ -188,6 +188,14 @@ ffi::Error combine_bwd(Where w, int64_t group, int64_t slot, ffi::AnyBuffer d_ou
   });
 }
 
+ffi::Error all_reduce_op(Where w, int64_t group, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  return guarded([&] {
+    const TensorRef o = view(w, out);
+    detail::copy_async(view(w, x), o, Stream{w.stream});
+    all_reduce_sum(group_of(group, w.ordinal), o, Stream{w.stream});
+  });
+}
+
 MlpConfig mlp_config(int64_t activation, const TensorRef& row_weights) {
   MlpConfig c;
   c.activation = static_cast<Activation>(activation);
@@ -265,6 +273,10 @@ auto bind_combine_bwd(B&& b) {
       .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Ret<Buf>().template Ret<Buf>();
 }
 template <class B>
+auto bind_all_reduce(B&& b) {
+  return std::move(b).template Attr<int64_t>("group").template Arg<Buf>().template Ret<Buf>();
+}
+template <class B>
 auto bind_mlp_fwd(B&& b) {
   auto a = std::move(b).template Attr<int64_t>("activation").template Arg<Buf>().template Arg<Buf>()
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
@@ -302,6 +314,7 @@ EPX_FFI_PAIR(epx_dispatch, dispatch_op, bind_dispatch)
 EPX_FFI_PAIR(epx_dispatch_bwd, dispatch_bwd, bind_dispatch)
 EPX_FFI_PAIR(epx_combine, combine_op, bind_combine)
 EPX_FFI_PAIR(epx_combine_bwd, combine_bwd, bind_combine_bwd)
+EPX_FFI_PAIR(epx_all_reduce, all_reduce_op, bind_all_reduce)
 EPX_FFI_PAIR(epx_mlp_fwd, mlp_fwd, bind_mlp_fwd)
 EPX_FFI_PAIR(epx_mlp_bwd, mlp_bwd, bind_mlp_bwd)
 #undef EPX_FFI_PAIR
@@ -322,6 +335,7 @@ void bind_jax_ffi(nb::module_& m) {
     EPX_TARGET(epx_dispatch_bwd);
     EPX_TARGET(epx_combine);
     EPX_TARGET(epx_combine_bwd);
+    EPX_TARGET(epx_all_reduce);
     EPX_TARGET(epx_mlp_fwd);
     EPX_TARGET(epx_mlp_bwd);
 #undef EPX_TARGET

@@ -178,7 +178,7 @@ def test_gpu_moe_layer_jit_shard_map_matches_cpu_reference():
 
     def step(params, x, d):
         def f(params, x):
-            out, l = epj.moe_layer(params, x, group=g, spec=spec, slot=1, axis_name="ep")
+            out, l = epj.moe_layer(params, x, group=g, spec=spec, slot=1)
             return jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32)) + l["aux"] + l["z"], (out, l["aux"])
 
         (v, (out, aux)), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)

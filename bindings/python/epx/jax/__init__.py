@@ -5,7 +5,7 @@ jit and shard_map, and the MoE layer (moe_layer, and MoEBlock when Flax is insta
     group = epj.Group.local(num_experts=256, hidden=7168, max_tokens_per_rank=4096)  # every local GPU
     spec = epj.LayerSpec.from_preset("deepseek-v3")
     # inside shard_map over the mesh axis "ep" (one device per rank):
-    out, losses = epj.moe_layer(params, x, group=group, spec=spec, slot=0, axis_name="ep")
+    out, losses = epj.moe_layer(params, x, group=group, spec=spec, slot=0)
 
 Groups are made once per process, outside traced functions; each layer x in-flight microbatch
 uses its own routing slot. epx allocates its communication buffers itself (cudaMalloc, NCCL

@@ -1,7 +1,7 @@
 """The MoE layer in JAX over the epx ops: gate -> route -> prepare -> dispatch -> grouped expert FFN
 -> combine, plus shared experts, as a pure function of its parameters (moe_layer) and as a Flax
 module (MoEBlock). Inside shard_map each device holds its local experts; the aux and z losses are
-reduced over `axis_name` when given, so they are global over the expert-parallel group."""
+global over the expert-parallel group (their statistics are summed by epx in stream order)."""
 import zlib
 from dataclasses import dataclass
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _C
-from ._ops import combine, dispatch, grouped_mlp, prepare, register_router, route
+from ._ops import combine, dispatch, group_sum, grouped_mlp, prepare, register_router, route
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,11 @@ class LayerSpec:
         return _routers[self.router_id].use_expert_bias
 
 
-def _psum(v, axis_name):
-    return jax.lax.psum(v, axis_name) if axis_name is not None else v
-
-
-def router_losses(spec, logits, routed, axis_name=None):
-    """(aux, z) on the routing actually used, global over axis_name: aux = coeff * E / (K T^2) *
-    sum_e P_e n_e with P_e the summed probabilities (softmax, or normalised sigmoid scores) and
-    n_e the routed pairs; z = coeff * sum_t logsumexp(logits_t)^2 / T."""
+def router_losses(spec, logits, routed, group):
+    """(aux, z, counts) on the routing actually used, global over the group: aux = coeff * E / (K T^2)
+    * sum_e P_e n_e with P_e the summed probabilities (softmax, or normalised sigmoid scores) and n_e
+    the routed pairs, z = coeff * sum_t logsumexp(logits_t)^2 / T, T every rank's tokens. The three
+    statistics travel in one sum over the group, in stream order with the other epx ops."""
     if logits.dtype != jnp.float64:
         logits = logits.astype(jnp.float32)
     if spec.score == "sigmoid":
@@ -71,12 +68,13 @@ def router_losses(spec, logits, routed, axis_name=None):
     else:
         p = jax.nn.softmax(logits, -1)
     E, K = spec.num_experts, spec.topk
-    T = _psum(jnp.asarray(logits.shape[0], logits.dtype), axis_name)
-    P = _psum(jnp.sum(p, 0), axis_name)
-    n = _psum(jnp.sum(jax.nn.one_hot(routed, E, dtype=logits.dtype), (0, 1)), axis_name)
-    aux = spec.aux_loss_coeff * E / (K * T * T) * jnp.sum(P * jax.lax.stop_gradient(n))
+    T = jnp.asarray(logits.shape[0] * group.size, logits.dtype)
     lse = jax.nn.logsumexp(logits, -1)
-    z = spec.z_loss_coeff * _psum(jnp.sum(lse * lse), axis_name) / T
+    n_local = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(routed, E, dtype=logits.dtype), (0, 1)))
+    stats = group_sum(group.id, jnp.concatenate([jnp.sum(p, 0), n_local, jnp.sum(lse * lse)[None]]))
+    P, n, lse2 = stats[:E], jax.lax.stop_gradient(stats[E:2 * E]), stats[2 * E]
+    aux = spec.aux_loss_coeff * E / (K * T * T) * jnp.sum(P * n)
+    z = spec.z_loss_coeff * lse2 / T
     return aux, z, n
 
 
@@ -101,11 +99,12 @@ def _gate_bwd(res, d_logits):
 gate_logits.defvjp(_gate_fwd, _gate_bwd)
 
 
-def moe_layer(params, x, *, group, spec, slot, axis_name=None):
+def moe_layer(params, x, *, group, spec, slot):
     """x [T, H] -> (out [T, H], {"aux", "z", "counts"}). params: gate [H, E], w_in [E_local, H, 2, F],
     w_out [E_local, F, H], optional expert_bias [E] (selection only, never differentiated) and
     shared_w_in [1, H, 2, Fs] / shared_w_out [1, Fs, H]. `slot` names this layer x microbatch's routing
-    handle (static). Collective over the group."""
+    handle (static). Collective over the group (inside shard_map: every device of the mesh axis
+    the group spans); the losses are global over the group."""
     logits = gate_logits(x, params["gate"])
     bias = params.get("expert_bias")
     bias = jax.lax.stop_gradient(bias) if bias is not None else jnp.zeros((0,), jnp.float32)
@@ -121,7 +120,7 @@ def moe_layer(params, x, *, group, spec, slot, axis_name=None):
         shared = grouped_mlp(x, jnp.array([0, T], jnp.int32), jnp.array([T], jnp.int32), params["shared_w_in"],
                              params["shared_w_out"])
         out = out + shared
-    aux, z, counts = router_losses(spec, logits, r.routed, axis_name)
+    aux, z, counts = router_losses(spec, logits, r.routed, group)
     return out, {"aux": aux, "z": z, "counts": counts}
 
 
@@ -153,14 +152,13 @@ try:
     import flax.linen as nn
 
     class MoEBlock(nn.Module):
-        """The MoE layer as a Flax module (use it inside shard_map for expert parallelism, with
-        axis_name the mesh axis of the group). Parameters: gate, w_in, w_out, shared_w_in,
+        """The MoE layer as a Flax module (inside shard_map over the group's devices for expert
+        parallelism). Parameters: gate, w_in, w_out, shared_w_in,
         shared_w_out; the expert bias lives in the "moe_state" collection (mutable) and is
         updated with update_expert_bias from the "counts" the layer sows into "moe_stats".
         __call__(x, microbatch=0) -> out; the aux and z losses are sown into "losses"."""
         group: object
         spec: LayerSpec
-        axis_name: str = None
         dtype: object = jnp.bfloat16
 
         @nn.compact
@@ -177,7 +175,7 @@ try:
                 p["expert_bias"] = self.variable("moe_state", "expert_bias", jnp.zeros, (s.num_experts,),
                                                  jnp.float32).value
             slot = slot_of("/".join(self.scope.path), microbatch)
-            out, aux = moe_layer(p, x, group=self.group, spec=s, slot=slot, axis_name=self.axis_name)
+            out, aux = moe_layer(p, x, group=self.group, spec=s, slot=slot)
             self.sow("losses", "aux", aux["aux"])
             self.sow("losses", "z", aux["z"])
             self.sow("moe_stats", "counts", aux["counts"])

@@ -202,6 +202,23 @@ def combine(routing, y, row_weights=None):
     return _combine(routing, y, row_weights if row_weights is not None else _none())
 
 
+# ---- sum over the group ------------------------------------------------------------------------
+def _group_sum_call(group_id, x):
+    return jax.ffi.ffi_call("epx_all_reduce", jax.ShapeDtypeStruct(x.shape, x.dtype))(x, group=_i64(group_id))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def group_sum(group_id, x):
+    """The sum of a float vector over the group, on the same stream and in the same order as the
+    other epx ops (an XLA collective beside epx's device-waiting kernels could wait on them). Its
+    transpose is the same sum of the cotangents, as for lax.psum: a loss that every rank adds and
+    that is then averaged over the ranks (lax.pmean) gets its gradient once."""
+    return _group_sum_call(group_id, x)
+
+
+group_sum.defvjp(lambda gid, x: (_group_sum_call(gid, x), None), lambda gid, _, d: (_group_sum_call(gid, d),))
+
+
 # ---- grouped expert FFN --------------------------------------------------------------------------
 def _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
     n, P, F = x.shape[0], w_in.shape[2], w_in.shape[3]
