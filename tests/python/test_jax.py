@@ -137,6 +137,32 @@ def test_moe_layer_on_the_cpu_reference_under_jit():
     check_grads(lambda x: loss(params, x)[0], (x,), order=1, modes=["rev"])
 
 
+def test_flax_moe_block_is_the_functional_layer():
+    if epj.MoEBlock is None:
+        pytest.skip("Flax is not installed: epx.jax.MoEBlock is not defined")
+    spec = epj.LayerSpec.from_preset("tiny", aux_loss_coeff=0.3, z_loss_coeff=0.2)
+    g = cpu_group(spec.num_experts, spec.hidden, 16, spec.topk)
+    block = epj.MoEBlock(group=g, spec=spec, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(8), (16, spec.hidden), jnp.float64)
+    variables = block.init(jax.random.key(9), x)
+    assert set(variables["params"]) == {"gate", "w_in", "w_out", "shared_w_in", "shared_w_out"}
+    assert variables["params"]["w_in"].shape == (g.local_experts, spec.hidden, 2, spec.ffn_hidden)
+    out, state = block.apply(variables, x, mutable=["losses", "moe_stats"])
+    params = dict(variables["params"], expert_bias=variables["moe_state"]["expert_bias"])
+    ref, l = epj.moe_layer(params, x, group=g, spec=spec, slot=123)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert float(state["losses"]["aux"][0]) == float(l["aux"])
+    bias = epj.update_expert_bias(variables["moe_state"]["expert_bias"], state["moe_stats"]["counts"][0])
+    assert np.any(np.asarray(bias) != 0), "unbalanced counts must move the bias"
+
+    def loss(p):
+        o, st = block.apply(dict(variables, params=p), x, mutable=["losses", "moe_stats"])
+        return jnp.sum(o ** 2) + st["losses"]["aux"][0] + st["losses"]["z"][0]
+
+    grads = jax.grad(loss)(variables["params"])
+    assert all(np.all(np.isfinite(np.asarray(v))) and np.any(np.asarray(v) != 0) for v in grads.values())
+
+
 def test_errors_surface_as_exceptions_with_epx_messages():
     g = cpu_group(4, 8, 6, 2)
     idx = jax.device_put(jnp.array([[0, 9]] * 6, jnp.int32), CPU)  # expert 9 of 4
