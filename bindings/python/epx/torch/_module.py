@@ -145,9 +145,12 @@ class MoE(nn.Module):
         """Normal(0, std) from a counter-based generator keyed by (seed, parameter, global expert):
         the same experts whatever the number of ranks."""
         self._state.bind_params(self._params())
-        if self.group.device.type == "cuda":
+        on_gpu = self.group.device.type == "cuda"
+        if on_gpu:  # init_params runs on the default stream: order it with torch's work both ways
             torch.cuda.current_stream(self.group.device).synchronize()
         self._state.layer.init_params(seed, std)
+        if on_gpu:
+            torch.cuda.synchronize(self.group.device)
 
     def _params(self):
         return [getattr(self, n) for n in self._names]
