@@ -181,6 +181,39 @@ def test_moe_loss_gradient_enters_with_loss_grad_scale():
         assert math.isclose(analytic[i, j].item(), fd, rel_tol=1e-5, abs_tol=1e-8), (i, j, analytic[i, j].item(), fd)
 
 
+def test_compile_fullgraph_traces_the_ops_and_the_module_on_cpu():
+    """torch.compile(fullgraph=True) traces every custom op (fake kernels, autograd) without a
+    graph break; aot_eager runs the traced graphs, so the result must equal eager exactly."""
+    torch._dynamo.reset()
+    E, H, F, K, T = 4, 8, 4, 2, 5
+    g = small_group("cpu", E, H, T, K, dtype=torch.float64)
+    r = ept.Router(E, K)
+    torch.manual_seed(10)
+    args = [torch.randn(T, H, dtype=torch.float64), torch.randn(T, E, dtype=torch.float64),
+            torch.randn(E, H, 2, F, dtype=torch.float64) * 0.5, torch.randn(E, F, H, dtype=torch.float64) * 0.5]
+
+    def loss(x, logits, w_in, w_out):
+        return chain(g, x, logits, w_in, w_out, r)[0].square().sum()
+
+    eager = [a.clone().requires_grad_() for a in args]
+    loss(*eager).backward()
+    traced = [a.clone().requires_grad_() for a in args]
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*traced).backward()
+    for a, b in zip(eager, traced):
+        assert torch.equal(a.grad, b.grad)
+
+    m = tiny_moe()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    m(x1).square().sum().backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    torch.compile(lambda v: m(v).square().sum(), fullgraph=True, backend="aot_eager")(x2).backward()
+    assert torch.equal(x1.grad, x2.grad)
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+
+
 def test_moe_errors_are_value_errors():
     m = tiny_moe()
     out = m(torch.randn(4, 8, dtype=torch.float64, requires_grad=True))
