@@ -45,7 +45,7 @@ def timed(fn, iters):
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def bench_preset(name, tokens, iters, devices, variant="full"):
+def bench_preset(name, tokens, iters, devices, variant="full", trace_dir=""):
     """variant (diagnostics of where the time goes): full; no_shared (drop the shared experts);
     no_losses (the aux and z losses left out of the differentiated loss); x_grad_only (gradient of
     x only, no parameter gradient)."""
@@ -83,6 +83,10 @@ def bench_preset(name, tokens, iters, devices, variant="full"):
     fb = jax.jit(smap(fwd_bwd, mesh, (pspec, P("ep"), P("ep")), (pspec, P("ep"))))
     t_f = timed(lambda: f(params, x), iters)
     t_fb = timed(lambda: fb(params, x, d), iters)
+    if trace_dir:  # three more steps under the profiler: a Perfetto trace of where the time goes
+        with jax.profiler.trace(os.path.join(trace_dir, f"{name}-{variant}"), create_perfetto_trace=True):
+            for _ in range(3):
+                jax.block_until_ready(fb(params, x, d))
     group.check()
     stats = devices[0].memory_stats() or {}
     line = {"bench": "layer", "impl": "epx.jax", "preset": name, "ranks": R, "tokens": T, "hidden": spec.hidden,
@@ -108,12 +112,14 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--variants", default="full", help="comma list: full, no_shared, no_losses, x_grad_only")
+    ap.add_argument("--trace", default="", help="folder for a jax.profiler trace of 3 fwd+bwd steps per run "
+                    "(summarise it with bench/trace_summary.py)")
     a = ap.parse_args()
     devices = jax.devices()
     mine = {}
     for name in a.presets.split(","):
         for variant in a.variants.split(","):
-            line = bench_preset(name, a.tokens, a.iters, devices, variant)
+            line = bench_preset(name, a.tokens, a.iters, devices, variant, a.trace)
             if variant == "full":
                 mine[name] = line
             print(json.dumps(line), flush=True)

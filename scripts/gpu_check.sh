@@ -28,7 +28,8 @@
 # build without CUTLASS) into a scratch folder and runs epx.torch from there (pip.log); pybench runs
 # bench/torch_moe_bench.py: epx.torch.MoE beside `epx bench layer` and the PyTorch layer (torch_moe.jsonl;
 # PYBENCH_ARGS adds options, e.g. "--presets deepseek-v3"); jaxbench runs bench/jax_moe_bench.py: the
-# epx.jax layer under jit + shard_map beside the pure-JAX MoE baseline (jax_moe.jsonl; JAXBENCH_ARGS).
+# epx.jax layer under jit + shard_map beside the pure-JAX MoE baseline (jax_moe.jsonl; JAXBENCH_ARGS, e.g.
+# "--trace $OUT/jaxtrace" for a profiler trace of each run, summarised by bench/trace_summary.py).
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
