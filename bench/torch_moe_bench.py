@@ -79,7 +79,7 @@ def bench_rank(rank, world, port, a, out_q):
                 "gpu_mem_layer_gb": round((mem_before[0] - free) / 1e9, 2),
                 "torch_peak_allocated_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
                 "registered_gb": round(group.registered_bytes / 1e9, 3), "iters": a.iters}))
-        del moe, x, d_out
+        del moe, x, d_out  # the next preset's layer is measured without this one's memory
         group.close()
         torch.cuda.empty_cache()
     dist.destroy_process_group()

@@ -24,5 +24,8 @@ from ._C import (  # noqa: F401  (re-exported)
     preset_names,
 )
 
+__all__ = ["Activation", "AuxLossType", "DropPolicy", "DType", "GroupConfig", "MlpConfig", "MlpPrecision", "MoEConfig",
+           "ParamStorage", "PrepareOptions", "RouterConfig", "ScoreFunction", "Transport", "find_preset", "moe_config",
+           "preset_names"]
 __version__ = _C.__version__
 cuda_backend = _C.cuda_backend

@@ -12,7 +12,6 @@ backwards) are torch.library custom ops with fake kernels and autograd, so they 
 torch.compile(fullgraph=True) and CUDA graphs. The functions below are their Python faces.
 """
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

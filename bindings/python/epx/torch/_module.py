@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import _C
 from ._group import Group
-from ._ops import layer_by_id, moe_forward, register_layer
+from ._ops import moe_forward, register_layer
 from ._tensors import epx_dtype, ref, stream_of, torch_dtype
 
 _SCORES = {"softmax": _C.ScoreFunction.softmax, "softmax_after_topk": _C.ScoreFunction.softmax_after_topk,

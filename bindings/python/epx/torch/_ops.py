@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import _C
 from ._group import group_by_id
-from ._tensors import NONE, alias, ref, stream_of, torch_dtype
+from ._tensors import NONE, alias, ref, stream_of
 
 # ---- routers: configs named by id --------------------------------------------------------------
 _routers = {}
