@@ -1,4 +1,5 @@
-"""GroupConfig from keyword arguments, shared by the framework layers (epx.torch, epx.jax)."""
+"""GroupConfig and RouterConfig from keyword arguments, shared by the framework layers (epx.torch,
+epx.jax)."""
 from . import _C
 
 TRANSPORTS = {"auto": _C.Transport.auto, "zerocopy": _C.Transport.zerocopy, "staged": _C.Transport.staged}
@@ -20,4 +21,26 @@ def group_config(num_experts, hidden, max_tokens_per_rank, *, max_topk=16, dtype
     if transport not in TRANSPORTS:
         raise ValueError(f"{who}: transport is '{transport}', expected one of {', '.join(TRANSPORTS)}")
     c.transport = TRANSPORTS[transport]
+    return c
+
+
+SCORES = {"softmax": _C.ScoreFunction.softmax, "softmax_after_topk": _C.ScoreFunction.softmax_after_topk,
+          "sigmoid": _C.ScoreFunction.sigmoid}
+
+
+def score_function(score, who):
+    if score not in SCORES:
+        raise ValueError(f"{who}: score is '{score}', expected one of {', '.join(SCORES)}")
+    return SCORES[score]
+
+
+def router_config(num_experts, topk, *, score="softmax", num_groups=1, group_topk=1, normalize_weights=False,
+                  routed_scaling_factor=1.0, use_expert_bias=False, who="epx.Router"):
+    """A validated RouterConfig without losses (selection and weights only)."""
+    c = _C.RouterConfig()
+    c.num_experts, c.topk, c.score_function = int(num_experts), int(topk), score_function(score, who)
+    c.num_groups, c.group_topk = int(num_groups), int(group_topk)
+    c.normalize_weights, c.routed_scaling_factor = bool(normalize_weights), float(routed_scaling_factor)
+    c.use_expert_bias = bool(use_expert_bias)
+    c.validate()
     return c

@@ -24,18 +24,11 @@ class Router:
     """router(logits [T, E], expert_bias [E] or None) -> (topk_idx int32, topk_weights): the
     scores, (grouped) top-k and weights; differentiable in the weights."""
 
-    def __init__(self, num_experts, topk, *, score="softmax", num_groups=1, group_topk=1, normalize_weights=False,
-                 routed_scaling_factor=1.0, use_expert_bias=False):
-        from .. import _C
-        scores = {"softmax": _C.ScoreFunction.softmax, "softmax_after_topk": _C.ScoreFunction.softmax_after_topk,
-                  "sigmoid": _C.ScoreFunction.sigmoid}
-        if score not in scores:
-            raise ValueError(f"epx.jax.Router: score is '{score}', expected one of {', '.join(scores)}")
-        c = _C.RouterConfig()
-        c.num_experts, c.topk, c.score_function = int(num_experts), int(topk), scores[score]
-        c.num_groups, c.group_topk = int(num_groups), int(group_topk)
-        c.normalize_weights, c.routed_scaling_factor = bool(normalize_weights), float(routed_scaling_factor)
-        c.use_expert_bias = bool(use_expert_bias)
+    def __init__(self, num_experts, topk, **options):
+        """options: score ("softmax", "softmax_after_topk", "sigmoid"), num_groups, group_topk,
+        normalize_weights, routed_scaling_factor, use_expert_bias."""
+        from .. import _config
+        c = _config.router_config(num_experts, topk, who="epx.jax.Router", **options)
         self.topk = c.topk
         self.id = register_router(c)
 

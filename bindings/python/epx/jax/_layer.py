@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .. import _C
+from .. import _C, _config
 from ._ops import combine, dispatch, group_sum, grouped_mlp, prepare, register_router, route
 
 
@@ -45,8 +45,7 @@ class LayerSpec:
         r.aux_loss = _C.AuxLossType.none
         r.aux_loss_coeff = 0.0
         r.z_loss_coeff = 0.0
-        score = {_C.ScoreFunction.softmax: "softmax", _C.ScoreFunction.softmax_after_topk: "softmax_after_topk",
-                 _C.ScoreFunction.sigmoid: "sigmoid"}[r.score_function]
+        score = next(name for name, f in _config.SCORES.items() if f == r.score_function)
         return LayerSpec(hidden, ffn, shared, r.num_experts, r.topk, register_router(r), score, aux, z)
 
     @property

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _C
+from .. import _config
 from . import _ops
 from ._group import Group, group_config
 from ._module import MoE, layer_config
@@ -30,28 +30,17 @@ def _tensor(fn, name, t, optional=False):
         raise ValueError(f"{fn}: {name} is a {type(t).__name__}, expected a torch.Tensor")
 
 
-_SCORES = {"softmax": _C.ScoreFunction.softmax, "softmax_after_topk": _C.ScoreFunction.softmax_after_topk,
-           "sigmoid": _C.ScoreFunction.sigmoid}
-
-
 class Router:
     """Scores, (grouped) top-k selection and weights of every token: router(logits [T, E] fp32 /
     bf16, expert_bias [E] fp32 or None) -> (topk_idx [T, K] int32, topk_weights [T, K] fp32);
     -1 marks a slot with no eligible expert (NaN logits). Differentiable in the weights. The aux
     and z losses are the MoE block's (they need the routing actually kept, over the group)."""
 
-    def __init__(self, num_experts, topk, *, score="softmax", num_groups=1, group_topk=1, normalize_weights=False,
-                 routed_scaling_factor=1.0, use_expert_bias=False):
-        if score not in _SCORES:
-            raise ValueError(f"epx.torch.Router: score is '{score}', expected one of {', '.join(_SCORES)}")
-        c = _C.RouterConfig()
-        c.num_experts, c.topk, c.score_function = int(num_experts), int(topk), _SCORES[score]
-        c.num_groups, c.group_topk = int(num_groups), int(group_topk)
-        c.normalize_weights, c.routed_scaling_factor = bool(normalize_weights), float(routed_scaling_factor)
-        c.use_expert_bias = bool(use_expert_bias)
-        c.validate()
-        self.config = c
-        self.id = _ops.register_router(c)
+    def __init__(self, num_experts, topk, **options):
+        """options: score ("softmax", "softmax_after_topk", "sigmoid"), num_groups, group_topk,
+        normalize_weights, routed_scaling_factor, use_expert_bias."""
+        self.config = _config.router_config(num_experts, topk, who="epx.torch.Router", **options)
+        self.id = _ops.register_router(self.config)
 
     def __call__(self, logits, expert_bias=None):
         _tensor("epx.torch.Router", "logits", logits)

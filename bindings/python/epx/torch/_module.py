@@ -10,14 +10,10 @@ import itertools
 import torch
 from torch import nn
 
-from .. import _C
+from .. import _C, _config
 from ._group import Group
 from ._ops import moe_forward, register_layer
 from ._tensors import epx_dtype, ref, stream_of, torch_dtype
-
-_SCORES = {"softmax": _C.ScoreFunction.softmax, "softmax_after_topk": _C.ScoreFunction.softmax_after_topk,
-           "sigmoid": _C.ScoreFunction.sigmoid}
-
 
 class _LayerState:
     """What the custom ops need of one module: the C++ layer, its per-microbatch contexts, and the
@@ -76,9 +72,7 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
         if key in router_fields:
             setattr(r, router_fields[key], value)
         elif key == "score":
-            if value not in _SCORES:
-                raise ValueError(f"epx.MoE: score is '{value}', expected one of {', '.join(_SCORES)}")
-            r.score_function = _SCORES[value]
+            r.score_function = _config.score_function(value, "epx.MoE")
         elif key == "capacity_factor":
             c.capacity.capacity_factor = float(value)
         elif key == "activation":
