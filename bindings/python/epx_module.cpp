@@ -17,6 +17,7 @@
 #include "epx/epx.h"
 #include "epx/presets.h"
 #include "core/version.h"
+#include "shape_of.h"
 #ifdef EPX_WITH_JAX_FFI
 #include "jax_ffi.h"
 #endif
@@ -30,17 +31,8 @@ namespace {
 using Release = nb::call_guard<nb::gil_scoped_release>;
 
 TensorRef make_ref(uintptr_t ptr, const std::string& dtype, const std::vector<int64_t>& shape, int device) {
-  require(shape.size() <= static_cast<size_t>(kMaxDims), "epx.Ref", "shape has ", shape.size(),
-          " dimensions, expected at most ", kMaxDims);
-  Shape s;
-  switch (shape.size()) {
-    case 0: s = Shape{}; break;
-    case 1: s = Shape{shape[0]}; break;
-    case 2: s = Shape{shape[0], shape[1]}; break;
-    case 3: s = Shape{shape[0], shape[1], shape[2]}; break;
-    default: s = Shape{shape[0], shape[1], shape[2], shape[3]}; break;
-  }
-  return TensorRef(reinterpret_cast<void*>(ptr), parse_dtype(dtype), s, device < 0 ? Device::cpu() : Device::cuda(device));
+  return TensorRef(reinterpret_cast<void*>(ptr), parse_dtype(dtype), shape_of(shape, "epx.Ref"),
+                   device < 0 ? Device::cpu() : Device::cuda(device));
 }
 
 std::vector<int64_t> dims(const Shape& s) {

@@ -19,6 +19,7 @@
 #include "core/device_memory.h"
 #include "epx/epx.h"
 #include "moe/elementwise.h"
+#include "shape_of.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -88,17 +89,7 @@ struct Where {
 TensorRef view(const Where& w, ffi::AnyBuffer b) {
   const auto dims = b.dimensions();
   if (b.element_count() == 0 && dims.size() == 1) return TensorRef();  // an absent optional argument
-  require(dims.size() <= static_cast<size_t>(kMaxDims), "epx.jax", "a buffer has ", dims.size(),
-          " dimensions, at most ", kMaxDims, " are supported");
-  Shape s;
-  switch (dims.size()) {
-    case 0: break;
-    case 1: s = Shape{dims[0]}; break;
-    case 2: s = Shape{dims[0], dims[1]}; break;
-    case 3: s = Shape{dims[0], dims[1], dims[2]}; break;
-    default: s = Shape{dims[0], dims[1], dims[2], dims[3]}; break;
-  }
-  return TensorRef(b.untyped_data(), dtype_of(b.element_type()), s,
+  return TensorRef(b.untyped_data(), dtype_of(b.element_type()), shape_of(dims, "epx.jax"),
                    w.ordinal < 0 ? Device::cpu() : Device::cuda(static_cast<int>(w.ordinal)));
 }
 
