@@ -67,9 +67,16 @@ struct Rig {
         Tensor& b = layers[r]->params().expert_bias;
         for (int64_t e = 0; e < b.numel(); ++e) b.ptr<float>()[e] = 0.05f * static_cast<float>((e * 7) % 5) - 0.1f;
       }
-      x.push_back(normal({T, cfg.hidden}, cfg.dtype, seed, 50 + r));
-      c.push_back(normal({T, cfg.hidden}, cfg.dtype, seed, 80 + r));
     }
+    x = per_rank(seed, 50);
+    c = per_rank(seed, 80);
+  }
+
+  // One [T, H] input per rank: rank r's is normal(seed, stream + r).
+  std::vector<Tensor> per_rank(uint64_t seed, uint64_t stream) const {
+    std::vector<Tensor> v;
+    for (int r = 0; r < ranks; ++r) v.push_back(normal({tokens, config.hidden}, config.dtype, seed, stream + r));
+    return v;
   }
 
   // Forward on every rank; returns the loss and, with `backward`, fills d_x.
@@ -282,11 +289,7 @@ TEST(MoELayer, InterleavedMicrobatchesKeepTheirOwnRouting) {
   const int R = 2;
   const int64_t T = 6;
   Rig rig(c, R, T, 9);
-  std::vector<Tensor> xb(R), cb(R);
-  for (int r = 0; r < R; ++r) {
-    xb[r] = normal({T, c.hidden}, c.dtype, 123, r);
-    cb[r] = normal({T, c.hidden}, c.dtype, 321, r);
-  }
+  const std::vector<Tensor> xb = rig.per_rank(123, 0), cb = rig.per_rank(321, 0);
   auto grads_of = [&](int r) {
     std::vector<float> v;
     for (auto which : {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate}) {
@@ -421,11 +424,7 @@ TEST(MoELayer, ReusedContextMatchesFreshContext) {
   const int R = 2;
   const int64_t T = 6;
   Rig rig(c, R, T, 17);
-  std::vector<Tensor> xb(R), cb(R);
-  for (int r = 0; r < R; ++r) {
-    xb[r] = normal({T, c.hidden}, c.dtype, 555, r);
-    cb[r] = normal({T, c.hidden}, c.dtype, 556, r);
-  }
+  const std::vector<Tensor> xb = rig.per_rank(555, 0), cb = rig.per_rank(556, 0);
   run_ranks(rig.groups, [&](Group& g) {
     const int r = g.rank();
     MoELayer& L = *rig.layers[r];
