@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 import epx.jax as epj  # noqa: E402
+from compare import rel_err  # noqa: E402
 
 CPU = jax.devices("cpu")[0]
 try:
@@ -176,11 +177,6 @@ def test_errors_surface_as_exceptions_with_epx_messages():
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 @needs_gpu
 def test_gpu_moe_layer_jit_shard_map_matches_cpu_reference():
     from jax.sharding import Mesh, PartitionSpec as P

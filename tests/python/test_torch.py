@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the epx.torch tests need it")
 import epx.torch as ept  # noqa: E402
+from compare import rel_err  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU visible: GPU tests of epx.torch skipped")
@@ -239,13 +240,6 @@ def gpu_moe(microbatches=1, tokens=256):
     g = ept.Group.local("cuda", num_experts=16, hidden=128, max_tokens_per_rank=tokens, max_topk=8, align=16)
     return ept.MoE(g, "small", hidden=128, ffn_hidden=64, shared_ffn_hidden=64, num_experts=16, seed=11, init_std=0.1,
                    microbatches=microbatches)
-
-
-def rel_err(a, b):
-    """||a - b|| / ||b|| in fp64: the bf16 GPU layer rounds where the CPU reference keeps fp32, so
-    the comparison is by norm (as `epx demo`'s reference check does), not element by element."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def step(m, x, d_out, microbatch=0):

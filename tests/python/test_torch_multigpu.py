@@ -14,6 +14,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import epx  # noqa: E402
 import epx.torch as ept  # noqa: E402
+from compare import rel_err  # noqa: E402
 
 WORLD = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(WORLD < 2, reason=f"{WORLD} CUDA GPU(s) visible: the multi-GPU epx.torch tests need 2")
@@ -26,12 +27,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rel_err(a, b):
-    """||a - b|| / ||b|| in fp64 (bf16 GPU layer against the CPU reference, as `epx demo` checks)."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def tokens(rank):
