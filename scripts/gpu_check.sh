@@ -27,9 +27,11 @@
 # them, e.g. "tests/python/test_torch.py"); pip checks `pip install .` (no build isolation, CPU-fast
 # build without CUTLASS) into a scratch folder and runs epx.torch from there (pip.log); pybench runs
 # bench/torch_moe_bench.py: epx.torch.MoE beside `epx bench layer` and the PyTorch layer (torch_moe.jsonl;
-# PYBENCH_ARGS adds options, e.g. "--presets deepseek-v3"); jaxbench runs bench/jax_moe_bench.py: the
-# epx.jax layer under jit + shard_map beside the pure-JAX MoE baseline (jax_moe.jsonl; JAXBENCH_ARGS, e.g.
-# "--trace $OUT/jaxtrace" for a profiler trace of each run, summarised by bench/trace_summary.py).
+# PYBENCH_ARGS adds options, e.g. "--presets deepseek-v3"); jaxbench runs examples/jax_train_step.py (five
+# training steps per preset of JAX_EXAMPLE_PRESETS, default "deepseek-v3 mixtral"; jax_train_step.jsonl), then
+# bench/jax_moe_bench.py: the epx.jax layer under jit + shard_map beside the pure-JAX MoE baseline
+# (jax_moe.jsonl; JAXBENCH_ARGS adds options, e.g. "--trace $OUT/jaxtrace" for a profiler trace of each
+# run, summarised by bench/trace_summary.py).
 # GoogleTest comes from .carry/googletest when the machine has none (copy /usr/src/googletest there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -225,8 +227,14 @@ if has pybench; then
   cat "$OUT/torch_moe.jsonl"
 fi
 if has jaxbench; then
+  # The example training loop first (Flax MoEBlock, SGD, expert-bias update), then the benchmark.
+  for preset in ${JAX_EXAMPLE_PRESETS:-deepseek-v3 mixtral}; do
+    PYTHONPATH=$PWD/$BUILD/python PYTHONUNBUFFERED=1 timeout 200 python3 examples/jax_train_step.py --preset "$preset" \
+      --tokens 4096 --steps 5 >>"$OUT/jax_train_step.jsonl" 2>>"$OUT/jax_moe.err" || summary "jax_train_step $preset failed rc=$?"
+  done
+  cat "$OUT/jax_train_step.jsonl"
   PYTHONPATH=$PWD/$BUILD/python PYTHONUNBUFFERED=1 timeout 560 python3 bench/jax_moe_bench.py ${JAXBENCH_ARGS:-} \
-    >"$OUT/jax_moe.jsonl" 2>"$OUT/jax_moe.err" || summary "jax_moe_bench failed rc=$?"
+    >"$OUT/jax_moe.jsonl" 2>>"$OUT/jax_moe.err" || summary "jax_moe_bench failed rc=$?"
   cat "$OUT/jax_moe.jsonl"
 fi
 cat "$OUT/summary.txt"
