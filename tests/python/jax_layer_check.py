@@ -31,10 +31,13 @@ def global_array(value, mesh, spec):
 
 
 def check_layer_step_against_reference(group, mesh, spec, slot=1):
-    R, T, cpu = mesh.devices.size, TOKENS, jax.devices("cpu")[0]
-    full = epj.init_params(jax.random.key(5), spec, EXPERTS, jnp.bfloat16, std=0.1)
-    x = jax.random.normal(jax.random.key(6), (R * T, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-    d = (0.1 * jax.random.normal(jax.random.key(7), (R * T, HIDDEN), jnp.float32)).astype(jnp.bfloat16)
+    # This process's own CPU device: with one process per GPU, jax.devices("cpu")[0] is process 0's.
+    R, T, cpu = mesh.devices.size, TOKENS, jax.local_devices(backend="cpu")[0]
+    with jax.default_device(cpu):  # host values, the same in every process
+        full = {k: np.asarray(v) for k, v in epj.init_params(jax.random.key(5), spec, EXPERTS, jnp.bfloat16,
+                                                             std=0.1).items()}
+        x = np.asarray(jax.random.normal(jax.random.key(6), (R * T, HIDDEN), jnp.float32).astype(jnp.bfloat16))
+        d = np.asarray((0.1 * jax.random.normal(jax.random.key(7), (R * T, HIDDEN))).astype(jnp.bfloat16))
     experts = {"w_in": P("ep"), "w_out": P("ep")}
     pspec = {k: experts.get(k, P()) for k in full}
 

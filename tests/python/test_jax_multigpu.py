@@ -9,6 +9,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 
 import pytest
 
@@ -44,20 +47,25 @@ def test_moe_layer_one_process_per_gpu_matches_cpu_reference():
     port = free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
         [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs, failures = [], []
+    logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port)], env=env, stdout=logs[r],
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    deadline = time.monotonic() + 180
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):  # a rank failed: the others would wait for it
+            time.sleep(10)
+            break
+        time.sleep(0.5)
+    failures, outputs = [], []
     for r, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out = p.communicate()[0]
-            failures.append(f"rank {r} did not finish in 300 s")
-        outputs.append(out)
+        if p.poll() is None:
+            p.kill()
+            failures.append(f"rank {r} had not finished when the test stopped waiting")
+        p.wait()
+        logs[r].seek(0)
+        outputs.append(logs[r].read())
         if p.returncode != 0:
-            failures.append(f"rank {r} exited with {p.returncode}:\n{out[-4000:]}")
+            failures.append(f"rank {r} exited with {p.returncode}:\n{outputs[r][-4000:]}")
     assert not failures, "\n".join(failures)
     for r, out in enumerate(outputs):
         lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -81,4 +89,9 @@ def rank_main(rank, world, port):
 
 
 if __name__ == "__main__":
-    rank_main(*(int(a) for a in sys.argv[1:4]))
+    try:
+        rank_main(*(int(a) for a in sys.argv[1:4]))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)  # at once: a normal exit would wait in JAX's distributed shutdown for the other ranks
