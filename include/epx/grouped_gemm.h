@@ -52,6 +52,23 @@ void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef
 void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dw, bool accumulate = false, Stream stream = {});
 
+/// FP8 expert weights for grouped_gemm_forward_fp8: w [G, K, N] (bf16, fp16 or fp32) -> w_q
+/// [G, N, K] fp8_e4m3, each w[j] TRANSPOSED (K contiguous: Hopper's FP8 tensor cores read both
+/// operands K-major), and w_scales [G, K/128, N/128] fp32, epx/quant.h's 128x128 block recipe of
+/// w[j] [K, N] bit for bit. K and N multiples of 128. Meant to run once per weight update.
+void quantize_grouped_weights_fp8(const TensorRef& w, const TensorRef& w_q, const TensorRef& w_scales,
+                                  Stream stream = {});
+/// y [rows, N] bf16 (or fp32 on the CPU) = x . w[j] per group from FP8 operands: x_q [rows, K]
+/// fp8_e4m3 with x_scales [rows, K/128] fp32 (quantize() with kFp8Block1x128), w_q / w_scales from
+/// quantize_grouped_weights_fp8. DeepSeek-V3's recipe: per 128-deep K block, the products of the
+/// e4m3 values are summed in fp32, the block sum is multiplied by the product of the two block
+/// scales and added to an fp32 total, rounded once. The tensor cores' block sums keep fewer bits
+/// than fp32 (Hopper's FP8 MMA), so GPU and reference agree to a relative ~1e-3, not bit for bit.
+/// Padding rows of y are zeros. K and N multiples of 128.
+void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
+                              const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
+                              const TensorRef& y, Stream stream = {});
+
 enum class Activation : uint8_t {
   kSwiGLU,  // silu(a0) * a1,       silu(z) = z / (1 + exp(-z))
   kGeGLU,   // gelu_tanh(a0) * a1,  gelu_tanh(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))

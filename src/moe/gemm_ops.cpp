@@ -199,6 +199,49 @@ void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRe
   ref::grouped_gemm_forward(x, w, offsets, rows, y);
 }
 
+void quantize_grouped_weights_fp8(const TensorRef& w, const TensorRef& w_q, const TensorRef& w_scales, Stream stream) {
+  const char* fn = "epx::quantize_grouped_weights_fp8";
+  check_tensor(fn, "w", w, {-1, -1, -1}, {DType::kBF16, DType::kF16, DType::kF32});
+  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
+  require(K % 128 == 0 && N % 128 == 0, fn, "w is [", G, ", ", K, ", ", N,
+          "]: K and N must be multiples of 128 (whole 128x128 blocks)");
+  check_tensor(fn, "w_q", w_q, {G, N, K}, {DType::kF8E4M3});
+  check_tensor(fn, "w_scales", w_scales, {G, K / 128, N / 128}, {DType::kF32});
+  check_all_on(fn, w.device(), {{"w_q", &w_q}, {"w_scales", &w_scales}});
+#ifdef EPX_HAVE_CUDA
+  if (w.device().is_cuda()) return cuda::quantize_grouped_weights_fp8_cuda(w, w_q, w_scales, stream);
+#endif
+  require_host(fn, w.device());
+  ref::quantize_grouped_weights_fp8(w, w_q, w_scales);
+}
+
+void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
+                              const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
+                              const TensorRef& y, Stream stream) {
+  const char* fn = "epx::grouped_gemm_forward_fp8";
+  check_tensor(fn, "x_q", x_q, {-1, -1}, {DType::kF8E4M3});
+  const int64_t R = x_q.size(0), K = x_q.size(1);
+  const int64_t G = check_layout(fn, offsets, rows);
+  check_tensor(fn, "y", y, {R, -1}, {DType::kBF16, DType::kF32});
+  const int64_t N = y.size(1);
+  require(K % 128 == 0 && N % 128 == 0, fn, "x_q has K = ", K, " and y has N = ", N,
+          " columns: both must be multiples of 128 (whole scale blocks)");
+  check_tensor(fn, "x_scales", x_scales, {R, K / 128}, {DType::kF32});
+  check_tensor(fn, "w_q", w_q, {G, N, K}, {DType::kF8E4M3});
+  check_tensor(fn, "w_scales", w_scales, {G, K / 128, N / 128}, {DType::kF32});
+  check_all_on(fn, x_q.device(), {{"x_scales", &x_scales}, {"w_q", &w_q}, {"w_scales", &w_scales},
+                                  {"offsets", &offsets}, {"rows", &rows}, {"y", &y}});
+#ifdef EPX_HAVE_CUDA
+  if (x_q.device().is_cuda()) {
+    require_status(y.dtype() == DType::kBF16, Status::kNotSupported, fn, "y has dtype ", dtype_name(y.dtype()),
+                   "; the GPU FP8 grouped GEMM writes bf16");
+    return cuda::grouped_forward_fp8_cuda(x_q, x_scales, w_q, w_scales, offsets, rows, y, stream);
+  }
+#endif
+  require_host(fn, x_q.device());
+  ref::grouped_gemm_forward_fp8(x_q, x_scales, w_q, w_scales, offsets, rows, y);
+}
+
 void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dx, Stream stream) {
   const char* fn = "epx::grouped_gemm_dgrad";

@@ -31,6 +31,12 @@ void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef
 void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dw, bool accumulate);
 
+/// FP8 forward and its weight preparation (include/epx/grouped_gemm.h; src/ref/grouped_gemm_fp8.cpp).
+void quantize_grouped_weights_fp8(const TensorRef& w, const TensorRef& w_q, const TensorRef& w_scales);
+void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
+                              const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
+                              const TensorRef& y);
+
 /// One group of the padded layout: real rows [begin, begin + rows), padding up to end.
 struct GroupSpan {
   int64_t begin = 0, rows = 0, end = 0;

@@ -15,6 +15,7 @@
 
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
+#include "epx/quant.h"
 #include "epx/tensor.h"
 
 namespace epx {
@@ -394,6 +395,86 @@ TEST(GroupedGemm, ValidatesShapesDtypesAndDevices) {
   TensorRef rows_gpu(L.rows_t.data(), DType::kI32, {G}, Device::cuda(0));
   EXPECT_EQ(what_of([&] { grouped_gemm_forward(x, w, L.offsets_t, rows_gpu, y); }),
             "epx::grouped_gemm_forward: rows is on cuda:0, expected cpu");
+}
+
+// ---- FP8 (DeepSeek-V3 block scales) ------------------------------------------------------------
+
+// The FP8 reference is the dequantized operands' product (only the block-wise summation differs),
+// and within FP8's error of the unquantized bf16 GEMM; the weights come back transposed with the
+// 128x128 recipe's scales; padding rows are zeros, rows past the layout untouched.
+TEST(GroupedGemmFp8, ReferenceIsTheDequantizedProductWithinFp8OfBf16) {
+  std::mt19937 rng(41);
+  const int64_t K = 256, N = 128;
+  Layout L = make_layout({5, 0, 1, 23}, 8, 2);
+  const int64_t G = 4, R = L.total;
+  Tensor x = random_tensor({R, K}, DType::kBF16, rng), w = random_tensor({G, K, N}, DType::kBF16, rng);
+  Tensor x_q = Tensor::empty({R, K}, DType::kF8E4M3), x_s = Tensor::empty({R, K / 128}, DType::kF32);
+  quantize(QuantRecipe::kFp8Block1x128, x, x_q, x_s);
+  Tensor w_q = Tensor::empty({G, N, K}, DType::kF8E4M3), w_s = Tensor::empty({G, K / 128, N / 128}, DType::kF32);
+  quantize_grouped_weights_fp8(w, w_q, w_s);
+  for (int64_t g = 0; g < G; ++g) {  // w_q[g] is quantize(w[g])^T with the same scales
+    Tensor q = Tensor::empty({K, N}, DType::kF8E4M3), sc = Tensor::empty({K / 128, N / 128}, DType::kF32);
+    quantize(QuantRecipe::kFp8Block128x128, sub(w, g * K * N, {K, N}), q, sc);
+    ASSERT_TRUE(same_bits(sc, sub(w_s, g * (K / 128) * (N / 128), {K / 128, N / 128}))) << "scales of group " << g;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n)
+        ASSERT_EQ(static_cast<const uint8_t*>(q.data())[k * N + n],
+                  static_cast<const uint8_t*>(w_q.data())[(g * N + n) * K + k]) << "code " << g << "," << k << "," << n;
+  }
+  Tensor y = Tensor::full({R, N}, DType::kF32, kSentinel);
+  grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets_t, L.rows_t, y);
+  // the dequantized operands through the fp32 grouped GEMM: w_q^T back to [K, N] per group
+  Tensor xd = Tensor::empty({R, K}, DType::kF32), wd = Tensor::empty({G, K, N}, DType::kF32);
+  dequantize(QuantRecipe::kFp8Block1x128, x_q, x_s, xd);
+  for (int64_t g = 0; g < G; ++g) {
+    Tensor q = Tensor::empty({K, N}, DType::kF8E4M3);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n)
+        static_cast<uint8_t*>(q.data())[k * N + n] = static_cast<const uint8_t*>(w_q.data())[(g * N + n) * K + k];
+    dequantize(QuantRecipe::kFp8Block128x128, q, sub(w_s, g * (K / 128) * (N / 128), {K / 128, N / 128}),
+               sub(wd, g * K * N, {K, N}));
+  }
+  Tensor yd = Tensor::full({R, N}, DType::kF32, kSentinel), yb = Tensor::full({R, N}, DType::kF32, kSentinel);
+  grouped_gemm_forward(xd, wd, L.offsets_t, L.rows_t, yd);
+  Tensor x32 = Tensor::empty({R, K}, DType::kF32), w32 = Tensor::empty({G, K, N}, DType::kF32);
+  for (int64_t i = 0; i < x.numel(); ++i) store_from_double(x32.data(), DType::kF32, i, load_as_double(x.data(), x.dtype(), i));
+  for (int64_t i = 0; i < w.numel(); ++i) store_from_double(w32.data(), DType::kF32, i, load_as_double(w.data(), w.dtype(), i));
+  grouped_gemm_forward(x32, w32, L.offsets_t, L.rows_t, yb);
+  const std::vector<double> a = values(y), b = values(yd), c = values(yb);
+  double d_deq = 0, d_bf = 0, n_b = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d_deq += (a[i] - b[i]) * (a[i] - b[i]);
+    d_bf += (a[i] - c[i]) * (a[i] - c[i]);
+    n_b += c[i] * c[i];
+  }
+  EXPECT_LT(std::sqrt(d_deq / n_b), 1e-6) << "FP8 reference vs the dequantized product";
+  EXPECT_LT(std::sqrt(d_bf / n_b), 6e-2) << "FP8 vs unquantized (e4m3 keeps 3 mantissa bits)";
+  EXPECT_GT(std::sqrt(d_bf / n_b), 1e-4) << "the FP8 path must actually quantize";
+  for (int64_t i = (L.offsets[1] - 3) * N; i < L.offsets[1] * N; ++i) ASSERT_EQ(a[i], 0.0) << "padding row";
+  for (int64_t i = L.offsets.back() * N; i < R * N; ++i) ASSERT_EQ(a[i], kSentinel) << "row past the layout";
+}
+
+TEST(GroupedGemmFp8, ValidatesShapesAndDtypes) {
+  Layout L = make_layout({3}, 4, 0);
+  Tensor x_q = Tensor::zeros({4, 256}, DType::kF8E4M3), x_s = Tensor::zeros({4, 2}, DType::kF32);
+  Tensor w_q = Tensor::zeros({1, 128, 256}, DType::kF8E4M3), w_s = Tensor::zeros({1, 2, 1}, DType::kF32);
+  Tensor y = Tensor::zeros({4, 128}, DType::kBF16);
+  EXPECT_NO_THROW(grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets_t, L.rows_t, y));
+  Tensor w_q_untransposed = Tensor::zeros({1, 256, 128}, DType::kF8E4M3);
+  EXPECT_EQ(what_of([&] { grouped_gemm_forward_fp8(x_q, x_s, w_q_untransposed, w_s, L.offsets_t, L.rows_t, y); }),
+            "epx::grouped_gemm_forward_fp8: w_q has shape [1, 256, 128], expected [1, 128, 256]");
+  Tensor x_bf = Tensor::zeros({4, 256}, DType::kBF16);
+  EXPECT_EQ(what_of([&] { grouped_gemm_forward_fp8(x_bf, x_s, w_q, w_s, L.offsets_t, L.rows_t, y); }),
+            "epx::grouped_gemm_forward_fp8: x_q has dtype bf16, expected fp8_e4m3");
+  Tensor y_odd = Tensor::zeros({4, 100}, DType::kBF16);
+  EXPECT_EQ(what_of([&] { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets_t, L.rows_t, y_odd); }),
+            "epx::grouped_gemm_forward_fp8: x_q has K = 256 and y has N = 100 columns: both must be multiples of 128 "
+            "(whole scale blocks)");
+  Tensor w = Tensor::zeros({2, 64, 128}, DType::kBF16), q = Tensor::zeros({2, 128, 64}, DType::kF8E4M3);
+  Tensor sc = Tensor::zeros({2, 1, 1}, DType::kF32);
+  EXPECT_EQ(what_of([&] { quantize_grouped_weights_fp8(w, q, sc); }),
+            "epx::quantize_grouped_weights_fp8: w is [2, 64, 128]: K and N must be multiples of 128 (whole 128x128 "
+            "blocks)");
 }
 
 }  // namespace

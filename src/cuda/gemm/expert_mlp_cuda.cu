@@ -23,6 +23,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/gemm/expert_mlp_cuda.h"
+#include "cuda/gemm/fp8_operands.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/error.h"
 
@@ -216,22 +217,23 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
   }
 }
 
-// bf16 scratch per device, grown on demand (the first call of a size allocates; later calls and
-// graph captures after a warm-up do not).
-__nv_bfloat16* scratch(int slot, size_t elems) {
+// Scratch per device and slot, grown on demand (the first call of a size allocates; later calls
+// and graph captures after a warm-up do not). Slots: 0 d_h, 1 d_a (bf16), 2 grouped FP8 scales.
+template <class T>
+T* scratch(int slot, size_t elems) {
   static std::mutex mu;
   static std::map<std::pair<int, int>, std::pair<void*, size_t>> cache;
   int dev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lk(mu);
   auto& e = cache[{dev, slot}];
-  const size_t bytes = std::max<size_t>(elems, 1) * sizeof(__nv_bfloat16);
+  const size_t bytes = std::max<size_t>(elems, 1) * sizeof(T);
   if (e.second < bytes) {
     if (e.first) EPX_CUDA_CHECK(cudaFree(e.first));
     EPX_CUDA_CHECK(cudaMalloc(&e.first, bytes));
     e.second = bytes;
   }
-  return static_cast<__nv_bfloat16*>(e.first);
+  return static_cast<T*>(e.first);
 }
 
 int row_grid(int64_t rows) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * 16))); }
@@ -303,9 +305,9 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
   detail::phase_mark(stream, "wgrad_fc2");
   const bool in_place = c.backward_consumes_saved;
-  __nv_bfloat16* d_h = in_place ? static_cast<__nv_bfloat16*>(t.h.data()) : scratch(0, static_cast<size_t>(R) * F);
+  __nv_bfloat16* d_h = in_place ? static_cast<__nv_bfloat16*>(t.h.data()) : scratch<__nv_bfloat16>(0, static_cast<size_t>(R) * F);
   // act_backward reads a[r] before it writes d_a[r] at the same elements, so d_a may take a's place.
-  __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data()) : scratch(1, static_cast<size_t>(R) * PF);
+  __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data()) : scratch<__nv_bfloat16>(1, static_cast<size_t>(R) * PF);
   grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
   detail::phase_mark(stream, "dgrad_fc2");
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
@@ -331,6 +333,31 @@ void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRe
   grouped_forward_bf16({x.data(), K, 0}, {w.data(), N, K * N}, y.data(), N, K, N, offsets.ptr<int32_t>(),
                        rows.ptr<int32_t>(), G, R, stream);
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
+                                                                static_cast<__nv_bfloat16*>(y.data()));
+  EPX_CHECK_LAUNCH("zero_padding_kernel");
+}
+
+void quantize_grouped_weights_fp8_cuda(const TensorRef& w, const TensorRef& w_q, const TensorRef& w_scales,
+                                       Stream stream) {
+  quantize_transpose_weights_fp8(w.data(), w.dtype(), w.size(0), w.size(1), w.size(2), w_q.data(),
+                                 w_scales.ptr<float>(), stream);
+}
+
+void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
+                              const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
+                              const TensorRef& y, Stream stream) {
+  require_status(grouped_gemm_available(), Status::kNotSupported, "epx::grouped_gemm_forward_fp8",
+                 "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+  const int64_t R = x_q.size(0), K = x_q.size(1), N = y.size(1);
+  const int G = static_cast<int>(rows.size(0));
+  const int32_t* off = offsets.ptr<int32_t>();
+  const int32_t* nrows = rows.ptr<int32_t>();
+  // The kernel reads each group's scales M-major from a block of its own.
+  float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128));
+  group_activation_scales(x_scales.ptr<float>(), grouped, K / 128, off, nrows, G, stream);
+  grouped_forward_fp8_blockwise(x_q.data(), grouped, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off, nrows,
+                                G, stream);
+  zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, off, nrows, G,
                                                                 static_cast<__nv_bfloat16*>(y.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
 }

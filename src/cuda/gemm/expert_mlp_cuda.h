@@ -13,5 +13,10 @@ void grouped_dgrad_cuda(const TensorRef& dy, const TensorRef& w, const TensorRef
                         const TensorRef& dx, Stream stream);
 void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dw, bool accumulate, Stream stream);
+void quantize_grouped_weights_fp8_cuda(const TensorRef& w, const TensorRef& w_q, const TensorRef& w_scales,
+                                       Stream stream);
+void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
+                              const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
+                              const TensorRef& y, Stream stream);
 
 }  // namespace epx::cuda

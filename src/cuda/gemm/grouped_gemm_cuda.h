@@ -47,6 +47,18 @@ void grouped_wgrad_bf16_out_cluster(GroupedOperand a, GroupedOperand d, void* ou
                                     int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
                                     Stream stream);
 
+/// FP8 e4m3 forward with DeepSeek-V3 block scales, bf16 out, fp32 accumulation:
+///   out_g [rows_g, N] (ld_out) = (a_g [rows_g, K] x its 1x128 scales) . (bt_g [N, K] x its 128x128 scales)^T
+/// a: fp8 rows (ld = K) from row offsets[g]; a_scales: fp32, group g's block starts at
+/// offsets[g] * K/128 and is M-major, scale(row r, k block j) at offsets[g] * K/128 + j * rows[g] +
+/// (r - offsets[g]) (grouped_scales_from_rowwise makes it from quantize()'s [rows, K/128]);
+/// bt: fp8, per group [N, K] (K contiguous: Hopper's FP8 MMA reads both operands K-major), group
+/// stride N * K; b_scales: fp32, per group [K/128, N/128] row-major (quantize()'s 128x128 scales of
+/// w_g [K, N]), group stride K/128 * N/128. K and N multiples of 128. Padding rows are not written.
+void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const void* bt, const float* b_scales,
+                                   void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
+                                   const int32_t* rows, int groups, Stream stream);
+
 /// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=cooperative|pingpong|cluster
 /// (read once; cluster = cooperative 2x1 clusters for bf16 gradients, ping-pong for fp32), else
 /// the default.

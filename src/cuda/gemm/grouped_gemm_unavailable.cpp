@@ -42,5 +42,9 @@ void grouped_wgrad_bf16_out_cluster(GroupedOperand, GroupedOperand, void*, int64
                                     const int32_t*, int, Stream) {
   unavailable();
 }
+void grouped_forward_fp8_blockwise(const void*, const float*, const void*, const float*, void*, int64_t, int64_t,
+                                   int64_t, const int32_t*, const int32_t*, int, Stream) {
+  unavailable();
+}
 
 }  // namespace epx::cuda

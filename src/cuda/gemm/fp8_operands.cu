@@ -1,0 +1,95 @@
+// The operands of the FP8 grouped forward in the layouts Hopper's blockwise-scaled kernel reads:
+// weights quantized with 128x128 blocks AND transposed to K-major in one pass, and the 1x128
+// activation scales of quantize() regrouped into one M-major block per group (see
+// grouped_gemm_cuda.h). Quantization is bit for bit epx/quant.h's FP8 block recipe.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/dtype_cuda.cuh"
+#include "cuda/gemm/fp8_operands.h"
+#include "cuda/quant/quant_kernels.cuh"
+
+namespace epx::cuda {
+namespace {
+
+constexpr int kBlock = 128;
+constexpr int kThreads = 256;
+constexpr int kPitch = kBlock + 4;  // bytes per row of the transposed tile: word-aligned rows, fewer bank conflicts
+
+// One 128x128 block of w[g] [K, N] per CTA: its finite amax, then the codes written transposed
+// into w_q[g] [N, K] through shared memory, and the block's scale at w_scales[g][kb][nb].
+template <class T>
+__global__ void __launch_bounds__(kThreads) quantize_transpose_kernel(const T* __restrict__ w, uint8_t* __restrict__ w_q,
+                                                                      float* __restrict__ w_scales, int64_t K,
+                                                                      int64_t N) {
+  __shared__ uint8_t tile[kBlock * kPitch];
+  __shared__ uint32_t warp_max[kThreads / 32];
+  const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
+  const T* src = w + (g * K + kb * kBlock) * N + nb * kBlock;
+  uint32_t amax = 0;
+  for (int i = threadIdx.x; i < kBlock * kBlock; i += kThreads)
+    amax = max(amax, quant::finite_abs_bits(to_float(src[(i / kBlock) * N + i % kBlock])));
+  for (int off = 16; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) amax = max(amax, warp_max[i]);
+  const float mul = quant::fp8_block_multiplier(amax);
+  for (int i = threadIdx.x; i < kBlock * kBlock; i += kThreads) {
+    const int k = i / kBlock, n = i % kBlock;  // reads along n (coalesced), stores the code at [n][k]
+    const uint32_t code = quant::canonical_nan_e4m3x4(quant::cvt_e4m3x2(__fmul_rn(to_float(src[k * N + n]), mul), 0.0f));
+    tile[n * kPitch + k] = static_cast<uint8_t>(code & 0xffu);
+  }
+  __syncthreads();
+  uint8_t* dst = w_q + (g * N + nb * kBlock) * K + kb * kBlock;
+  for (int i = threadIdx.x; i < kBlock * kBlock / 4; i += kThreads) {
+    const int n = i / (kBlock / 4), k4 = (i % (kBlock / 4)) * 4;  // 4 codes per store, along k
+    *reinterpret_cast<uint32_t*>(dst + n * K + k4) = *reinterpret_cast<const uint32_t*>(tile + n * kPitch + k4);
+  }
+  if (threadIdx.x == 0) w_scales[(g * (K / kBlock) + kb) * (N / kBlock) + nb] = quant::fp8_block_scale(amax);
+}
+
+// One CTA per group: scales [rows, kb] (row-major, rows at offsets[g]) -> the group's M-major
+// block at offsets[g] * kb, written in order (coalesced), read strided.
+__global__ void group_scales_kernel(const float* __restrict__ rowwise, float* __restrict__ grouped, int64_t kb,
+                                    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows) {
+  const int g = blockIdx.x;
+  const int64_t m = rows[g], off = offsets[g];
+  for (int64_t i = threadIdx.x; i < m * kb; i += blockDim.x) {
+    const int64_t r = i % m, j = i / m;
+    grouped[off * kb + i] = rowwise[(off + r) * kb + j];
+  }
+}
+
+}  // namespace
+
+void quantize_transpose_weights_fp8(const void* w, DType dtype, int64_t G, int64_t K, int64_t N, void* w_q,
+                                    float* w_scales, Stream stream) {
+  if (G == 0 || K == 0 || N == 0) return;
+  const dim3 grid(static_cast<unsigned>(N / kBlock), static_cast<unsigned>(K / kBlock), static_cast<unsigned>(G));
+  cudaStream_t s = to_cuda(stream);
+  auto* q = static_cast<uint8_t*>(w_q);
+  switch (dtype) {
+    case DType::kF32:
+      quantize_transpose_kernel<<<grid, kThreads, 0, s>>>(static_cast<const float*>(w), q, w_scales, K, N);
+      break;
+    case DType::kBF16:
+      quantize_transpose_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __nv_bfloat16*>(w), q, w_scales, K, N);
+      break;
+    default:
+      quantize_transpose_kernel<<<grid, kThreads, 0, s>>>(static_cast<const __half*>(w), q, w_scales, K, N);
+      break;
+  }
+  EPX_CHECK_LAUNCH("quantize_transpose_kernel");
+}
+
+void group_activation_scales(const float* rowwise, float* grouped, int64_t k_blocks, const int32_t* offsets,
+                             const int32_t* rows, int groups, Stream stream) {
+  if (groups == 0 || k_blocks == 0) return;
+  group_scales_kernel<<<groups, kThreads, 0, to_cuda(stream)>>>(rowwise, grouped, k_blocks, offsets, rows);
+  EPX_CHECK_LAUNCH("group_scales_kernel");
+}
+
+}  // namespace epx::cuda
