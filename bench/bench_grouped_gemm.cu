@@ -13,6 +13,7 @@
 #include "bench/bench_util.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/grouped_gemm.h"
+#include "epx/quant.h"
 #include "moe/elementwise.h"
 
 using namespace epx;
@@ -60,6 +61,33 @@ std::vector<int> zipf_sizes(int G, int total, double s) {
   return out;
 }
 
+// The FP8 forward (DeepSeek-V3 block scales) on the same operands: the weights quantized and
+// transposed once (outside the timing, as once per weight update), x's 1x128 quantization timed
+// apart (the layer would fuse it into dispatch), the GEMM op timed as a caller sees it (the scale
+// regrouping and the padding fill included).
+void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& w, int64_t K, int64_t N,
+             double bf16_us, double flops, double hbm) {
+  if (K % 128 != 0 || N % 128 != 0) return;
+  const int G = static_cast<int>(L.rows.size(0));
+  Tensor x_q = Tensor::empty({L.total, K}, DType::kF8E4M3, Device::cuda(0));
+  Tensor x_s = Tensor::empty({L.total, K / 128}, DType::kF32, Device::cuda(0));
+  Tensor w_q = Tensor::empty({G, N, K}, DType::kF8E4M3, Device::cuda(0));
+  Tensor w_s = Tensor::empty({G, K / 128, N / 128}, DType::kF32, Device::cuda(0));
+  Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
+  const double tw = bench::time_us([&](int) { quantize_grouped_weights_fp8(w, w_q, w_s); }, 3, 1, 1);
+  const double tq = bench::time_us([&](int) { quantize(QuantRecipe::kFp8Block1x128, x, x_q, x_s); }, 10, 5, 2);
+  const double t = bench::time_us([&](int) { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y); },
+                                  10, 5, 2);
+  JsonLine()
+      .add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
+      .add("case", name).add("groups", G).add("rows", static_cast<long long>(L.total))
+      .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
+      .add("tflops", flops / t * 1e-6).add("bf16_time_us", bf16_us).add("speedup_vs_bf16", bf16_us / t)
+      .add("target_speedup", 1.6).add("quantize_x_us", tq).add("quantize_weights_us", tw)
+      .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6)
+      .print();
+}
+
 void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward) {
   const LayoutD L = layout(sizes);
   const int G = static_cast<int>(sizes.size());
@@ -77,6 +105,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
   const double weight_bytes = 2.0 * G * K * N;
   j.add("weight_read_floor_us", weight_bytes / hbm * 1e6);
   j.print();
+  run_fp8(name, L, x, w, K, N, t, flops, hbm);
   if (!backward) return;
   Tensor dy = device_random({L.total, N}, DType::kBF16, 4, 1.0), dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
   Tensor dw = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
