@@ -174,6 +174,11 @@ if has layer; then
   : >"$OUT/layer.jsonl"
   timeout 400 "$BUILD/bin/epx" bench layer ${LAYER_ARGS:-} >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
     summary "epx bench layer failed rc=$?"
+  # The FP8 block forward of the expert GEMMs (LAYER_FP8_PRESETS=" " leaves it out).
+  for preset in ${LAYER_FP8_PRESETS:-deepseek-v3 mixtral}; do
+    timeout 200 "$BUILD/bin/epx" bench layer --preset "$preset" --precision fp8_block >>"$OUT/layer.jsonl" \
+      2>>"$OUT/layer.err" || summary "epx bench layer --precision fp8_block ($preset) failed rc=$?"
+  done
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
     lshapes=()
     [[ " ${TORCH_LAYER:-deepseek-v3 mixtral} " == *" deepseek-v3 "* ]] &&

@@ -232,14 +232,64 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
     }
 }
 
-// The whole layer on one GPU against the same layer on the CPU reference (bf16 both): outputs,
-// losses and input gradients agree within bf16 rounding for tokens whose routing agrees.
-TEST(MoELayerGpu, OneGpuMatchesReference) {
+// The FP8 block forward of the expert FFN (x bf16, quantized inside; and x arriving as fp8 with
+// its scales, as an FP8 dispatch delivers it) and the backward after it, against the reference
+// with the same precision: both quantize the same values with the same recipe, so the residue is
+// the FP8 MMA's accumulation and h's requantization of a slightly different a.
+TEST(ExpertMlpGpu, Fp8BlockForwardAndItsBackwardMatchReference) {
   EPX_REQUIRE_GROUPED();
+  for (bool fp8_x : {false, true}) {
+    SCOPED_TRACE(fp8_x ? "x fp8 with scales" : "x bf16");
+    const int64_t H = 256, F = 128, P = 2;
+    const Layout L = make_layout({20, 0, 33, 1, 7}, 16);
+    const int G = static_cast<int>(L.rows.size(0));
+    const int64_t R = L.total;
+    MlpConfig cfg{Activation::kSwiGLU, false, MlpPrecision::kFp8Block};
+    Tensor xb = randn({R, H}, DType::kBF16, 40), w_in = randn({G, H, P, F}, DType::kBF16, 41, 0.06);
+    Tensor w_out = randn({G, F, H}, DType::kBF16, 42, 0.06), d_y = randn({R, H}, DType::kBF16, 43);
+    Tensor xq = Tensor::empty({R, H}, DType::kF8E4M3), xs = Tensor::empty({R, H / 128}, DType::kF32);
+    quantize(QuantRecipe::kFp8Block1x128, xb, xq, xs);
+    auto run = [&](bool gpu, Tensor& y, Tensor& d_x, Tensor& d_w_in, Tensor& d_w_out) {
+      auto put = [&](const Tensor& t) { return gpu ? to_gpu(t) : t.clone(); };
+      auto zeros = [&](Shape sh, DType dt) { return put(Tensor::zeros(sh, dt)); };
+      Tensor x = put(fp8_x ? xq : xb), sc = put(xs), wi = put(w_in), wo = put(w_out), off = put(L.offsets);
+      Tensor rows = put(L.rows), a = zeros({R, P, F}, DType::kBF16), h = zeros({R, F}, DType::kBF16);
+      y = zeros({R, H}, DType::kBF16);
+      MlpTensors t{x, off, rows, {}, wi, {}, wo, {}, a, h, y, fp8_x ? sc.ref() : TensorRef()};
+      expert_mlp_forward(cfg, t);
+      d_x = zeros({R, H}, DType::kBF16);
+      d_w_in = zeros({G, H, P, F}, DType::kF32);
+      d_w_out = zeros({G, F, H}, DType::kF32);
+      const Tensor dys = put(d_y);
+      expert_mlp_backward(cfg, t, MlpGrads{dys, d_x, {}, d_w_in, {}, d_w_out, {}});
+    };
+    Tensor y0, dx0, dwi0, dwo0, y1, dx1, dwi1, dwo1;
+    run(false, y0, dx0, dwi0, dwo0);
+    run(true, y1, dx1, dwi1, dwo1);
+    EXPECT_LT(rel_err(y1, y0), 3e-2) << "y";
+    EXPECT_LT(rel_err(dx1, dx0), 4e-2) << "d_x";
+    EXPECT_LT(rel_err(dwi1, dwi0), 4e-2) << "d_w_in";
+    EXPECT_LT(rel_err(dwo1, dwo0), 3e-2) << "d_w_out";
+    // and it is a different computation from the bf16 path (the operands really are quantized)
+    Tensor yb = to_gpu(Tensor::zeros({R, H}, DType::kBF16)), ab = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16));
+    Tensor hb = to_gpu(Tensor::zeros({R, F}, DType::kBF16)), xg = to_gpu(xb), wig = to_gpu(w_in), wog = to_gpu(w_out);
+    Tensor offg = to_gpu(L.offsets), rowsg = to_gpu(L.rows);
+    expert_mlp_forward(MlpConfig{}, MlpTensors{xg, offg, rowsg, {}, wig, {}, wog, {}, ab, hb, yb, {}});
+    const double vs_bf16 = rel_err(y1, yb);
+    EXPECT_GT(vs_bf16, 1e-3) << "the FP8 forward gave the bf16 result";
+    EXPECT_LT(vs_bf16, 1e-1) << "the FP8 forward is far from the bf16 one";
+  }
+}
+
+// The whole layer on one GPU against the same layer on the CPU reference (bf16 both): outputs,
+// losses and input gradients agree within bf16 rounding (FP8's for the FP8 forward) for tokens
+// whose routing agrees.
+void check_one_gpu_layer(MlpPrecision precision, int64_t hidden, int64_t ffn, double tol) {
   MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
-  c.hidden = 64;
-  c.ffn_hidden = 32;
-  c.shared_ffn_hidden = 32;
+  c.hidden = hidden;
+  c.ffn_hidden = ffn;
+  c.shared_ffn_hidden = ffn;
+  c.precision = precision;
   GroupConfig gc;
   gc.num_experts = c.router.num_experts;
   gc.hidden = c.hidden;
@@ -271,13 +321,25 @@ TEST(MoELayerGpu, OneGpuMatchesReference) {
     same += eq;
   }
   EXPECT_GE(same, 60) << "routing agrees on too few tokens";
-  EXPECT_LT(rel_err(out_g, out_h), 5e-2);
-  EXPECT_LT(rel_err(dx_g, dx_h), 8e-2);
+  EXPECT_LT(rel_err(out_g, out_h), 5e-2 * tol);
+  EXPECT_LT(rel_err(dx_g, dx_h), 8e-2 * tol);
   Tensor lsh = to_host(ch.losses()), lsg = to_host(cg.losses());
   EXPECT_NEAR(lsg.item(0), lsh.item(0), 1e-2 * std::fabs(lsh.item(0)) + 1e-6);
   EXPECT_NEAR(lsg.item(1), lsh.item(1), 1e-2 * std::fabs(lsh.item(1)) + 1e-6);
-  EXPECT_LT(rel_err(lg.grads().w_in, lh.grads().w_in), 8e-2);
-  EXPECT_LT(rel_err(lg.grads().gate, lh.grads().gate), 8e-2);
+  EXPECT_LT(rel_err(lg.grads().w_in, lh.grads().w_in), 8e-2 * tol);
+  EXPECT_LT(rel_err(lg.grads().gate, lh.grads().gate), 8e-2 * tol);
+}
+
+TEST(MoELayerGpu, OneGpuMatchesReference) {
+  EPX_REQUIRE_GROUPED();
+  check_one_gpu_layer(MlpPrecision::kHigh, 64, 32, 1.0);
+}
+
+// The FP8 block forward end to end: x quantized at the source, dispatched as fp8 with its scales,
+// the FP8 expert GEMMs, and the backward from the dequantized rows.
+TEST(MoELayerGpu, OneGpuFp8ForwardMatchesReference) {
+  EPX_REQUIRE_GROUPED();
+  check_one_gpu_layer(MlpPrecision::kFp8Block, 128, 128, 1.5);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "cuda/gemm/fp8_operands.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/error.h"
+#include "epx/quant.h"
 
 namespace epx::cuda {
 namespace {
@@ -218,7 +219,8 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
 }
 
 // Scratch per device and slot, grown on demand (the first call of a size allocates; later calls
-// and graph captures after a warm-up do not). Slots: 0 d_h, 1 d_a (bf16), 2 grouped FP8 scales.
+// and graph captures after a warm-up do not). Slots: 0 d_h, 1 d_a (bf16), 2 grouped FP8 scales,
+// 3-10 the FP8 forward's operands (fp8_block_forward), 11 a dequantized fp8 x for the backward.
 template <class T>
 T* scratch(int slot, size_t elems) {
   static std::mutex mu;
@@ -263,13 +265,65 @@ WgradSchedule wgrad_schedule() {
   return chosen;
 }
 
+// The FP8 block forward (DeepSeek-V3 recipe; semantics in epx/grouped_gemm.h, oracle
+// ref::expert_mlp_forward): x quantized 1x128 here unless it arrives as fp8 with its scales, both
+// weights quantized 128x128 and transposed on every call (into per-device scratch: a caller that
+// keeps the weights for many steps pays this once per call, a cost to move to the weight update),
+// FC1 into the bf16 a, the activation, h quantized 1x128, FC2 into y.
+static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream stream) {
+  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
+  const int64_t G = t.rows.size(0);
+  const Device dev = t.x.device();
+  auto ref_of = [&](void* p, DType dt, Shape s) { return TensorRef(p, dt, std::move(s), dev); };
+  TensorRef x_q = t.x, x_s = t.x_scales;
+  if (t.x.dtype() != DType::kF8E4M3) {
+    x_q = ref_of(scratch<uint8_t>(3, static_cast<size_t>(R * H)), DType::kF8E4M3, {R, H});
+    x_s = ref_of(scratch<float>(4, static_cast<size_t>(R * (H / 128))), DType::kF32, {R, H / 128});
+    quantize(QuantRecipe::kFp8Block1x128, t.x, x_q, x_s, QuantOptions{}, stream);
+  }
+  const TensorRef wi_q = ref_of(scratch<uint8_t>(5, static_cast<size_t>(G * PF * H)), DType::kF8E4M3, {G, PF, H});
+  const TensorRef wi_s = ref_of(scratch<float>(6, static_cast<size_t>(G * (H / 128) * (PF / 128))), DType::kF32,
+                                {G, H / 128, PF / 128});
+  const TensorRef wo_q = ref_of(scratch<uint8_t>(7, static_cast<size_t>(G * H * F)), DType::kF8E4M3, {G, H, F});
+  const TensorRef wo_s = ref_of(scratch<float>(8, static_cast<size_t>(G * (F / 128) * (H / 128))), DType::kF32,
+                                {G, F / 128, H / 128});
+  // w_in [G, H, P, F] is [G, H, P*F]: with F % 128 == 0 no block straddles two projections.
+  quantize_transpose_weights_fp8(t.w_in.data(), t.w_in.dtype(), G, H, PF, wi_q.data(), wi_s.ptr<float>(), stream);
+  quantize_transpose_weights_fp8(t.w_out.data(), t.w_out.dtype(), G, F, H, wo_q.data(), wo_s.ptr<float>(), stream);
+  detail::phase_mark(stream, "fp8_weights");
+  grouped_forward_fp8_cuda(x_q, x_s, wi_q, wi_s, t.offsets, t.rows, ref_of(t.a.data(), DType::kBF16, {R, PF}), stream);
+  detail::phase_mark(stream, "fc1");
+  const int32_t* off = t.offsets.ptr<int32_t>();
+  const int32_t* rows = t.rows.ptr<int32_t>();
+  act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
+      static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, static_cast<int>(G),
+      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
+      static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
+  EPX_CHECK_LAUNCH("act_forward_kernel");
+  detail::phase_mark(stream, "act");
+  const TensorRef h_q = ref_of(scratch<uint8_t>(9, static_cast<size_t>(R * F)), DType::kF8E4M3, {R, F});
+  const TensorRef h_s = ref_of(scratch<float>(10, static_cast<size_t>(R * (F / 128))), DType::kF32, {R, F / 128});
+  quantize(QuantRecipe::kFp8Block1x128, ref_of(t.h.data(), DType::kBF16, {R, F}), h_q, h_s, QuantOptions{}, stream);
+  grouped_forward_fp8_cuda(h_q, h_s, wo_q, wo_s, t.offsets, t.rows, t.y, stream);
+  detail::phase_mark(stream, "fc2");
+}
+
 void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
   const char* fn = "epx::expert_mlp_forward";
   const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3);
   const int G = static_cast<int>(t.rows.size(0));
+  require_status(!t.b_in.defined() && c.precision != MlpPrecision::kMxfp8, Status::kNotSupported, fn,
+                 "expert biases and the MXFP8 precision run on the CPU reference only for now");
+  if (c.precision == MlpPrecision::kFp8Block) {
+    require_status(grouped_gemm_available(), Status::kNotSupported, fn,
+                   "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+    require_status(t.a.dtype() == DType::kBF16, Status::kNotSupported, fn, "a has dtype ", dtype_name(t.a.dtype()),
+                   "; the GPU FP8 path takes bf16 data (x bf16 or fp8_e4m3 with scales; a, h, y, weights bf16)");
+    require_status(H % 128 == 0 && F % 128 == 0, Status::kNotSupported, fn, "hidden ", H, " and ffn ", F,
+                   " must be multiples of 128 for the GPU FP8 block path (whole scale blocks)");
+    return fp8_block_forward(c, t, stream);
+  }
   require_bf16_path(fn, t.x, H, F);
-  require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
-                 "expert biases and the FP8 precisions run on the CPU reference only for now");
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
   grouped_forward_bf16({t.x.data(), H, 0}, {t.w_in.data(), P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows,
@@ -289,9 +343,17 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   const char* fn = "epx::expert_mlp_backward";
   const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
   const int G = static_cast<int>(t.rows.size(0));
-  require_bf16_path(fn, t.x, H, F);
-  require_status(!t.b_in.defined() && c.precision == MlpPrecision::kHigh, Status::kNotSupported, fn,
-                 "expert biases and the FP8 precisions run on the CPU reference only for now");
+  // x dispatched in fp8 (an FP8 forward): the weight gradient uses the values the forward saw.
+  TensorRef x = t.x;
+  if (x.dtype() == DType::kF8E4M3) {
+    const QuantRecipe rr = c.precision == MlpPrecision::kMxfp8 ? QuantRecipe::kMxfp8Rowwise : QuantRecipe::kFp8Block1x128;
+    x = TensorRef(scratch<__nv_bfloat16>(11, static_cast<size_t>(R * H)), DType::kBF16, {R, H}, t.x.device());
+    dequantize(rr, t.x, t.x_scales, x, stream);
+  }
+  require_bf16_path(fn, x, H, F);
+  // The backward never reads quantized operands (saved a and h, the bf16 weights and x), so an
+  // FP8 forward's backward is this bf16 path.
+  require_status(!t.b_in.defined(), Status::kNotSupported, fn, "expert biases run on the CPU reference only for now");
   auto grad_dtype_ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
   require_status(grad_dtype_ok(d.d_w_in.dtype()) && grad_dtype_ok(d.d_w_out.dtype()), Status::kNotSupported, fn,
                  "d_w_in is ", dtype_name(d.d_w_in.dtype()), " and d_w_out is ", dtype_name(d.d_w_out.dtype()),
@@ -321,7 +383,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
   detail::phase_mark(stream, "dgrad_fc1");
-  wgrad({t.x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, stream);
+  wgrad({x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, stream);
   detail::phase_mark(stream, "wgrad_fc1");
 }
 
