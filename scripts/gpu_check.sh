@@ -176,8 +176,10 @@ if has layer; then
     summary "epx bench layer failed rc=$?"
   # The FP8 block forward of the expert GEMMs (LAYER_FP8_PRESETS=" " leaves it out).
   for preset in ${LAYER_FP8_PRESETS:-deepseek-v3 mixtral}; do
-    timeout 200 "$BUILD/bin/epx" bench layer --preset "$preset" --precision fp8_block >>"$OUT/layer.jsonl" \
-      2>>"$OUT/layer.err" || summary "epx bench layer --precision fp8_block ($preset) failed rc=$?"
+    for cache in 0 1; do
+      timeout 200 "$BUILD/bin/epx" bench layer --preset "$preset" --precision fp8_block --fp8-weight-cache $cache \
+        >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" || summary "epx bench layer fp8_block ($preset, cache $cache) failed rc=$?"
+    done
   done
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
     lshapes=()

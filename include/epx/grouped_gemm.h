@@ -120,6 +120,11 @@ struct MlpTensors {
   TensorRef h;            // [rows, F] saved
   TensorRef y;            // [rows, H]
   TensorRef x_scales;     // [rows, S] with an fp8 x: fp32 S = ceil(H/128) (kFp8Block), e8m0 S = ceil(H/32) (kMxfp8)
+  /// kFp8Block only, all four or none: the weights as quantize_grouped_weights_fp8 makes them,
+  /// w_in viewed as [G, H, P*F] -> w_in_q [G, P*F, H] + [G, H/128, P*F/128], w_out -> w_out_q
+  /// [G, H, F] + [G, F/128, H/128]. The GPU forward then skips quantizing the weights on every call
+  /// (the CPU reference always quantizes w_in / w_out itself): they MUST be the current weights'.
+  TensorRef w_in_q, w_in_q_scales, w_out_q, w_out_q_scales;
 };
 
 /// Gradients of the expert FFN, all OVERWRITTEN. d_y and d_x have x's dtype; d_x and d_row_weights

@@ -47,6 +47,12 @@ struct MoEConfig {
   /// (autograd's retain_graph, gradcheck). Off: backward uses them as its scratch (no extra
   /// [rows, (P+1)*F] buffers) and a second backward on that context is an error.
   bool backward_keeps_saved = false;
+  /// With precision fp8_block on a GPU: keep the routed experts' FP8 weights (quantized and
+  /// transposed) between forwards instead of quantizing them on every forward. The copy is made at
+  /// the first forward and by refresh_fp8_weights(), which MUST follow every change of w_in / w_out
+  /// (an optimizer step); forwards between two changes (gradient-accumulation microbatches) then
+  /// skip the weight pass. Off by default: nothing can go stale.
+  bool fp8_weight_cache = false;
 
   void validate(const char* fn, const Group& group) const;
   int projections() const { return is_gated(activation) ? 2 : 1; }
@@ -138,6 +144,9 @@ class MoELayer {
   /// d_aux and d_z seed the auxiliary losses (1 when they are added to the training loss).
   void backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux = 1.0,
                 double d_z = 1.0, Stream stream = {});
+  /// Re-quantizes the kept FP8 copy of w_in / w_out (MoEConfig::fp8_weight_cache) from the
+  /// current weights, on `stream`. Call it after every update of the expert weights.
+  void refresh_fp8_weights(Stream stream = {});
 
  private:
   void check_bound(const char* fn, const MoEParams& p, bool grads) const;
@@ -147,6 +156,7 @@ class MoELayer {
   std::vector<ParamSpec> specs_;
   MoEParams params_;
   MoEParams grads_;
+  Tensor fp8_w_in_q_, fp8_w_in_scales_, fp8_w_out_q_, fp8_w_out_scales_;  // fp8_weight_cache
 };
 
 }  // namespace epx

@@ -146,6 +146,19 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
   if (t.row_weights.defined()) check_tensor(fn, "row_weights", t.row_weights, {d.R}, {float_dtype_for(dt)});
   check_tensor(fn, "a", t.a, {d.R, d.P, d.F}, {dt});
   check_tensor(fn, "h", t.h, {d.R, d.F}, {dt});
+  const int n_fp8_w = t.w_in_q.defined() + t.w_in_q_scales.defined() + t.w_out_q.defined() + t.w_out_q_scales.defined();
+  if (n_fp8_w > 0) {
+    require(n_fp8_w == 4 && c.precision == MlpPrecision::kFp8Block, fn, "pre-quantized weights (w_in_q, w_in_q_scales, ",
+            "w_out_q, w_out_q_scales) go all four together and with precision fp8_block; ", n_fp8_w,
+            " given with precision ", mlp_precision_name(c.precision));
+    const int64_t G = t.w_in.size(0), H = t.w_in.size(1), PF = t.w_in.size(2) * t.w_in.size(3), F = t.w_in.size(3);
+    check_tensor(fn, "w_in_q", t.w_in_q, {G, PF, H}, {DType::kF8E4M3});
+    check_tensor(fn, "w_in_q_scales", t.w_in_q_scales, {G, H / 128, PF / 128}, {DType::kF32});
+    check_tensor(fn, "w_out_q", t.w_out_q, {G, H, F}, {DType::kF8E4M3});
+    check_tensor(fn, "w_out_q_scales", t.w_out_q_scales, {G, F / 128, H / 128}, {DType::kF32});
+    check_all_on(fn, t.w_in.device(), {{"w_in_q", &t.w_in_q}, {"w_in_q_scales", &t.w_in_q_scales},
+                                       {"w_out_q", &t.w_out_q}, {"w_out_q_scales", &t.w_out_q_scales}});
+  }
   return d;
 }
 

@@ -252,6 +252,13 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
                 params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
+  if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda()) {
+    if (!fp8_w_in_q_.defined()) refresh_fp8_weights(stream);
+    mt.w_in_q = fp8_w_in_q_;
+    mt.w_in_q_scales = fp8_w_in_scales_;
+    mt.w_out_q = fp8_w_out_q_;
+    mt.w_out_q_scales = fp8_w_out_scales_;
+  }
   {
     detail::PhasePrefix in_ffn("fwd.ffn.");
     expert_mlp_forward(mc, mt, stream);
@@ -281,6 +288,24 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     detail::add(out, s.shared_y, out, stream);
     mark("fwd.shared");
   }
+}
+
+void MoELayer::refresh_fp8_weights(Stream stream) {
+  const char* fn = "epx::MoELayer::refresh_fp8_weights";
+  require(config_.precision == MlpPrecision::kFp8Block, fn, "the layer's precision is ",
+          mlp_precision_name(config_.precision), ", not fp8_block: it keeps no FP8 weights");
+  check_bound(fn, params_, false);
+  const Device dev = group_.device();
+  const TensorRef& w_in = params_.w_in;
+  const int64_t G = w_in.size(0), H = w_in.size(1), PF = w_in.size(2) * w_in.size(3), F = w_in.size(3);
+  ensure(fp8_w_in_q_, {G, PF, H}, DType::kF8E4M3, dev);
+  ensure(fp8_w_in_scales_, {G, H / 128, PF / 128}, DType::kF32, dev);
+  ensure(fp8_w_out_q_, {G, H, F}, DType::kF8E4M3, dev);
+  ensure(fp8_w_out_scales_, {G, F / 128, H / 128}, DType::kF32, dev);
+  // w_in [G, H, P, F] as [G, H, P*F]: the stacked projections, one 128x128 grid (F % 128 == 0).
+  quantize_grouped_weights_fp8(TensorRef(w_in.data(), w_in.dtype(), {G, H, PF}, w_in.device()), fp8_w_in_q_,
+                               fp8_w_in_scales_, stream);
+  quantize_grouped_weights_fp8(params_.w_out, fp8_w_out_q_, fp8_w_out_scales_, stream);
 }
 
 void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,

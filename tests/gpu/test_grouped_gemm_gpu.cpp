@@ -342,5 +342,45 @@ TEST(MoELayerGpu, OneGpuFp8ForwardMatchesReference) {
   check_one_gpu_layer(MlpPrecision::kFp8Block, 128, 128, 1.5);
 }
 
+// MoEConfig::fp8_weight_cache: the kept FP8 weights give the per-call result bit for bit; after a
+// weight change the kept copy is stale until refresh_fp8_weights(), then bit-identical again.
+TEST(MoELayerGpu, Fp8WeightCacheMatchesPerCallQuantizationAndRefreshes) {
+  EPX_REQUIRE_GROUPED();
+  MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
+  c.hidden = 128;
+  c.ffn_hidden = 128;
+  c.shared_ffn_hidden = 0;
+  c.precision = MlpPrecision::kFp8Block;
+  GroupConfig gc;
+  gc.num_experts = c.router.num_experts;
+  gc.hidden = c.hidden;
+  gc.max_tokens_per_rank = 64;
+  gc.max_topk = c.router.topk;
+  gc.align = 16;
+  Group gpu = Group::create_local(gc, 0);
+  MoEConfig cached_cfg = c;
+  cached_cfg.fp8_weight_cache = true;
+  MoELayer per_call(gpu, c), cached(gpu, cached_cfg);
+  per_call.init_params(5, 0.1);
+  cached.init_params(5, 0.1);
+  const Tensor x = to_gpu(randn({64, c.hidden}, DType::kBF16, 51));
+  auto forward = [&](MoELayer& l) {
+    Tensor out = to_gpu(Tensor::zeros({64, c.hidden}, DType::kBF16));
+    l.forward(x, out);
+    return to_host(out);
+  };
+  EXPECT_TRUE(testing::bit_equal(forward(cached), forward(per_call))) << "first forward (copy made there)";
+  // an optimizer step on both layers' expert weights
+  for (MoELayer* l : {&per_call, &cached}) {
+    Tensor w = to_host(l->params().w_in);
+    for (int64_t i = 0; i < w.numel(); ++i) store_from_double(w.data(), DType::kBF16, i, 1.5 * w.item(i));
+    copy(to_gpu(w), l->params().w_in);
+  }
+  EXPECT_FALSE(testing::bit_equal(forward(cached), forward(per_call))) << "the kept copy should be stale";
+  cached.refresh_fp8_weights();
+  EXPECT_TRUE(testing::bit_equal(forward(cached), forward(per_call))) << "after refresh_fp8_weights";
+  gpu.check();
+}
+
 }  // namespace
 }  // namespace epx

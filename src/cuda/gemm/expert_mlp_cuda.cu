@@ -267,9 +267,9 @@ WgradSchedule wgrad_schedule() {
 
 // The FP8 block forward (DeepSeek-V3 recipe; semantics in epx/grouped_gemm.h, oracle
 // ref::expert_mlp_forward): x quantized 1x128 here unless it arrives as fp8 with its scales, both
-// weights quantized 128x128 and transposed on every call (into per-device scratch: a caller that
-// keeps the weights for many steps pays this once per call, a cost to move to the weight update),
-// FC1 into the bf16 a, the activation, h quantized 1x128, FC2 into y.
+// weights quantized 128x128 and transposed (into per-device scratch, on every call, unless the
+// caller passes its kept copy in MlpTensors::w_*_q), FC1 into the bf16 a, the activation, h
+// quantized 1x128, FC2 into y.
 static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream stream) {
   const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
   const int64_t G = t.rows.size(0);
@@ -281,16 +281,18 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
     x_s = ref_of(scratch<float>(4, static_cast<size_t>(R * (H / 128))), DType::kF32, {R, H / 128});
     quantize(QuantRecipe::kFp8Block1x128, t.x, x_q, x_s, QuantOptions{}, stream);
   }
-  const TensorRef wi_q = ref_of(scratch<uint8_t>(5, static_cast<size_t>(G * PF * H)), DType::kF8E4M3, {G, PF, H});
-  const TensorRef wi_s = ref_of(scratch<float>(6, static_cast<size_t>(G * (H / 128) * (PF / 128))), DType::kF32,
-                                {G, H / 128, PF / 128});
-  const TensorRef wo_q = ref_of(scratch<uint8_t>(7, static_cast<size_t>(G * H * F)), DType::kF8E4M3, {G, H, F});
-  const TensorRef wo_s = ref_of(scratch<float>(8, static_cast<size_t>(G * (F / 128) * (H / 128))), DType::kF32,
-                                {G, F / 128, H / 128});
-  // w_in [G, H, P, F] is [G, H, P*F]: with F % 128 == 0 no block straddles two projections.
-  quantize_transpose_weights_fp8(t.w_in.data(), t.w_in.dtype(), G, H, PF, wi_q.data(), wi_s.ptr<float>(), stream);
-  quantize_transpose_weights_fp8(t.w_out.data(), t.w_out.dtype(), G, F, H, wo_q.data(), wo_s.ptr<float>(), stream);
-  detail::phase_mark(stream, "fp8_weights");
+  TensorRef wi_q = t.w_in_q, wi_s = t.w_in_q_scales, wo_q = t.w_out_q, wo_s = t.w_out_q_scales;
+  if (!wi_q.defined()) {  // no copy kept by the caller: quantize them now
+    wi_q = ref_of(scratch<uint8_t>(5, static_cast<size_t>(G * PF * H)), DType::kF8E4M3, {G, PF, H});
+    wi_s = ref_of(scratch<float>(6, static_cast<size_t>(G * (H / 128) * (PF / 128))), DType::kF32,
+                  {G, H / 128, PF / 128});
+    wo_q = ref_of(scratch<uint8_t>(7, static_cast<size_t>(G * H * F)), DType::kF8E4M3, {G, H, F});
+    wo_s = ref_of(scratch<float>(8, static_cast<size_t>(G * (F / 128) * (H / 128))), DType::kF32, {G, F / 128, H / 128});
+    // w_in [G, H, P, F] is [G, H, P*F]: with F % 128 == 0 no block straddles two projections.
+    quantize_transpose_weights_fp8(t.w_in.data(), t.w_in.dtype(), G, H, PF, wi_q.data(), wi_s.ptr<float>(), stream);
+    quantize_transpose_weights_fp8(t.w_out.data(), t.w_out.dtype(), G, F, H, wo_q.data(), wo_s.ptr<float>(), stream);
+    detail::phase_mark(stream, "fp8_weights");
+  }
   grouped_forward_fp8_cuda(x_q, x_s, wi_q, wi_s, t.offsets, t.rows, ref_of(t.a.data(), DType::kBF16, {R, PF}), stream);
   detail::phase_mark(stream, "fc1");
   const int32_t* off = t.offsets.ptr<int32_t>();
