@@ -414,6 +414,10 @@ void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, c
                  "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
   const int64_t R = x_q.size(0), K = x_q.size(1), N = y.size(1);
   const int G = static_cast<int>(rows.size(0));
+  for (const auto& [name, p] : {std::pair<const char*, const void*>{"x_q", x_q.data()}, {"w_q", w_q.data()},
+                                {"y", y.data()}})
+    require(reinterpret_cast<uintptr_t>(p) % 16 == 0, "epx::grouped_gemm_forward_fp8", name, " is at ", p,
+            ", not 16-byte aligned (the tensor memory accelerator loads and stores 16-byte rows)");
   const int32_t* off = offsets.ptr<int32_t>();
   const int32_t* nrows = rows.ptr<int32_t>();
   // The kernel reads each group's scales M-major from a block of its own.

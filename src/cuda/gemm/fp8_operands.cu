@@ -23,7 +23,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) quantize_transpose_kernel(const T* __restrict__ w, uint8_t* __restrict__ w_q,
                                                                       float* __restrict__ w_scales, int64_t K,
                                                                       int64_t N) {
-  __shared__ uint8_t tile[kBlock * kPitch];
+  __shared__ alignas(16) uint8_t tile[kBlock * kPitch];  // read back as 32-bit words
   __shared__ uint32_t warp_max[kThreads / 32];
   const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
   const T* src = w + (g * K + kb * kBlock) * N + nb * kBlock;
