@@ -133,7 +133,8 @@ void bind_configs(nb::module_& m) {
       .def_rw("dtype", &MoEConfig::dtype)
       .def_rw("precision", &MoEConfig::precision)
       .def_rw("expert_grads_in_dtype", &MoEConfig::expert_grads_in_dtype)
-      .def_rw("backward_keeps_saved", &MoEConfig::backward_keeps_saved);
+      .def_rw("backward_keeps_saved", &MoEConfig::backward_keeps_saved)
+      .def_rw("fp8_weight_cache", &MoEConfig::fp8_weight_cache);
   nb::class_<ShapePreset>(m, "ShapePreset")
       .def_ro("name", &ShapePreset::name)
       .def_ro("description", &ShapePreset::description)
@@ -326,7 +327,9 @@ void bind_layer(nb::module_& m) {
       .def("backward",
            [](MoELayer& l, MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,
               uintptr_t s) { l.backward(ctx, d_out, d_x, d_aux, d_z, stream_of(s)); },
-           "ctx"_a, "d_out"_a, "d_x"_a, "d_aux"_a = 1.0, "d_z"_a = 1.0, "stream"_a = 0, Release());
+           "ctx"_a, "d_out"_a, "d_x"_a, "d_aux"_a = 1.0, "d_z"_a = 1.0, "stream"_a = 0, Release())
+      .def("refresh_fp8_weights", [](MoELayer& l, uintptr_t s) { l.refresh_fp8_weights(stream_of(s)); },
+           "stream"_a = 0, Release());
 }
 
 }  // namespace

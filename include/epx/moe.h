@@ -145,7 +145,8 @@ class MoELayer {
   void backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux = 1.0,
                 double d_z = 1.0, Stream stream = {});
   /// Re-quantizes the kept FP8 copy of w_in / w_out (MoEConfig::fp8_weight_cache) from the
-  /// current weights, on `stream`. Call it after every update of the expert weights.
+  /// current weights, on `stream`. Call it after every update of the expert weights. A layer on
+  /// the CPU reference keeps no copy (it quantizes on every forward): nothing to do there.
   void refresh_fp8_weights(Stream stream = {});
 
  private:

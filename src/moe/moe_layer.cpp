@@ -296,6 +296,7 @@ void MoELayer::refresh_fp8_weights(Stream stream) {
           mlp_precision_name(config_.precision), ", not fp8_block: it keeps no FP8 weights");
   check_bound(fn, params_, false);
   const Device dev = group_.device();
+  if (!dev.is_cuda()) return;  // the CPU reference quantizes from the weights on every forward
   const TensorRef& w_in = params_.w_in;
   const int64_t G = w_in.size(0), H = w_in.size(1), PF = w_in.size(2) * w_in.size(3), F = w_in.size(3);
   ensure(fp8_w_in_q_, {G, PF, H}, DType::kF8E4M3, dev);

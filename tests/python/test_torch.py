@@ -233,6 +233,22 @@ def test_moe_errors_are_value_errors():
         ept.Router(8, 2)(torch.randn(8, 4).t())
 
 
+def test_moe_fp8_block_forward_on_the_cpu_reference():
+    """precision="fp8_block": the forward's expert GEMMs see quantized operands (close to, not equal
+    to, the high-precision result); the weight cache is a GPU matter, refresh is a no-op here."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    high = tiny_moe(torch.float32)
+    fp8 = tiny_moe(torch.float32, precision="fp8_block", fp8_weight_cache=True)
+    fp8.refresh_fp8_weights()
+    a, b = high(x), fp8(x)
+    err = float((a - b).norm() / a.norm())
+    assert 1e-4 < err < 0.1, err
+    b.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fp8.parameters())
+    with pytest.raises(ValueError, match="not fp8_block"):
+        high.refresh_fp8_weights()
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 def gpu_moe(microbatches=1, tokens=256):
     if not gpu_layers_built():
@@ -350,6 +366,29 @@ def test_gpu_three_interleaved_microbatches():
         assert torch.equal(ins[i].grad, alone[i][1]), i
     for n, gr in grads(m).items():  # bf16 gradients accumulated by autograd in another order
         assert rel_err(gr, total[n]) < 1e-2, n
+
+
+@needs_gpu
+def test_gpu_fp8_block_module_matches_cpu_reference_and_refreshes():
+    if not gpu_layers_built():
+        pytest.skip("built without the CUTLASS grouped GEMMs")
+    kw = dict(hidden=128, ffn_hidden=128, shared_ffn_hidden=128, num_experts=16, seed=11, init_std=0.1,
+              precision="fp8_block")
+    m = ept.MoE(ept.Group.local("cuda", num_experts=16, hidden=128, max_tokens_per_rank=256, max_topk=8, align=16),
+                "small", fp8_weight_cache=True, **kw)
+    ref = ept.MoE(ept.Group.local("cpu", num_experts=16, hidden=128, max_tokens_per_rank=256, max_topk=8, align=16),
+                  "small", **kw)
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    out = m(x.cuda())
+    assert rel_err(out, ref(x)) < 8e-2
+    with torch.no_grad():
+        m.w_in.mul_(1.5)
+        ref.w_in.mul_(1.5)
+    stale = m(x.cuda())
+    m.refresh_fp8_weights()
+    fresh = m(x.cuda())
+    assert rel_err(fresh, ref(x)) < 8e-2
+    assert rel_err(stale, ref(x)) > rel_err(fresh, ref(x)), "the kept FP8 weights should have been stale"
 
 
 @needs_gpu

@@ -59,8 +59,10 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
     ("softmax", "softmax_after_topk", "sigmoid"), normalize_weights, routed_scaling_factor,
     use_expert_bias, aux_loss_coeff, z_loss_coeff, capacity_factor, apply_weights_early,
     expert_bias_terms, activation ("swiglu", "geglu", "gelu", "relu2"), precision ("high",
-    "fp8_block", "mxfp8"), expert_grads_in_dtype, backward_keeps_saved (allow a second backward of
-    one forward, e.g. retain_graph=True, at the cost of scratch buffers)."""
+    "fp8_block", "mxfp8"), fp8_weight_cache (with fp8_block on a GPU: keep the FP8 expert weights
+    between forwards; call MoE.refresh_fp8_weights() after every optimizer step), expert_grads_in_dtype,
+    backward_keeps_saved (allow a second backward of one forward, e.g. retain_graph=True, at the
+    cost of scratch buffers)."""
     c = _C.moe_config(_C.find_preset(preset or "deepseek-v3"), getattr(_C.DType, epx_dtype(dtype)))
     c.expert_grads_in_dtype = True  # gradients in the parameters' dtype, as torch keeps them
     r = c.router
@@ -80,7 +82,7 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
         elif key == "precision":
             c.precision = getattr(_C.MlpPrecision, value)
         elif key in ("hidden", "ffn_hidden", "shared_ffn_hidden", "apply_weights_early", "expert_bias_terms",
-                     "expert_grads_in_dtype", "backward_keeps_saved"):
+                     "expert_grads_in_dtype", "backward_keeps_saved", "fp8_weight_cache"):
             setattr(c, key, value)
         else:
             raise ValueError(f"epx.MoE: unknown option '{key}'")
@@ -167,6 +169,14 @@ class MoE(nn.Module):
                                   self._slots[microbatch])
         out = out.view(shape)
         return (out, losses) if return_losses else out
+
+    @torch.no_grad()
+    def refresh_fp8_weights(self):
+        """With precision="fp8_block" and fp8_weight_cache=True: re-quantize the kept FP8 copy of
+        w_in / w_out from their current values. Call it after every optimizer step; until then the
+        forward uses the copy made before the step."""
+        self._state.bind_params(self._params())
+        self._state.layer.refresh_fp8_weights(stream_of(self.w_in))
 
     @torch.no_grad()
     def update_expert_bias(self, rate=1e-3, microbatch: int = 0):
