@@ -178,6 +178,24 @@ def test_example_training_step_lowers_the_loss_on_the_cpu_reference():
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
+def test_a_slot_prepared_twice_in_one_traced_function_is_an_error():
+    spec = epj.LayerSpec.from_preset("tiny")
+    g = cpu_group(spec.num_experts, spec.hidden, 16, spec.topk)
+    params = jax.device_put(epj.init_params(jax.random.key(3), spec, g.local_experts, jnp.float64), CPU)
+    x = jax.device_put(jax.random.normal(jax.random.key(4), (16, spec.hidden), jnp.float64), CPU)
+
+    def two_layers(params, x, slots):
+        h = epj.moe_layer(params, x, group=g, spec=spec, slot=slots[0])[0]
+        return jnp.sum(epj.moe_layer(params, h, group=g, spec=spec, slot=slots[1])[0] ** 2)
+
+    with pytest.raises(ValueError, match="slot 5 of group .* is already prepared"):
+        jax.jit(lambda p, x: two_layers(p, x, (5, 5)))(params, x)
+    with pytest.raises(ValueError, match="already prepared"):
+        jax.grad(lambda p, x: two_layers(p, x, (6, 6)))(params, x)
+    jax.block_until_ready(jax.jit(jax.grad(lambda p, x: two_layers(p, x, (7, 8))))(params, x))
+    two_layers(params, x, (9, 9))  # eager forward: each layer completes before the next prepares
+
+
 def test_errors_surface_as_exceptions_with_epx_messages():
     g = cpu_group(4, 8, 6, 2)
     idx = jax.device_put(jnp.array([[0, 9]] * 6, jnp.int32), CPU)  # expert 9 of 4

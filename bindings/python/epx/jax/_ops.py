@@ -8,6 +8,7 @@ handle (prepare, dispatch) are marked as having side effects so XLA neither drop
 Everything runs on XLA's stream with no host synchronisation, so the ops compose with jit and
 shard_map (each device of a mesh runs the call on its own group view).
 """
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -111,9 +112,32 @@ jax.tree_util.register_dataclass(Routing, data_fields=["layout", "rows", "routed
                                  meta_fields=["group_id", "slot", "capacity", "num_tokens"])
 
 
+# (group id, slot) pairs prepared by the function being traced, per trace: a second prepare of the
+# same slot in one traced function would overwrite the routing the first one's dispatch, combine
+# and backward still read.
+_slots_in_trace = weakref.WeakKeyDictionary()
+
+
+def _claim_slot(group_id, slot, tracer):
+    trace = getattr(tracer, "_trace", None)
+    if trace is None:  # eager without a transformation: each op completes before the next
+        return
+    try:
+        used = _slots_in_trace.setdefault(trace, set())
+    except TypeError:  # a trace type that cannot be weakly referenced: no check
+        return
+    if (group_id, slot) in used:
+        raise ValueError(f"epx.jax.prepare: slot {slot} of group {group_id} is already prepared in this traced "
+                         "function; each layer and each in-flight microbatch needs its own slot (the second "
+                         "prepare would overwrite the routing the first one's dispatch, combine and backward read)")
+    used.add((group_id, slot))
+
+
 def prepare(group, slot, topk_idx, topk_weights=None, capacity_factor=0.0, by_probability=False):
     """Counts, expert-major offsets and per-rank destinations of topk_idx [T, K] (-1 = masked),
-    kept in the group's handle `slot` (one per layer x in-flight microbatch). Collective."""
+    kept in the group's handle `slot` (one per layer x in-flight microbatch; a slot prepared twice
+    in one traced function is a ValueError). Collective."""
+    _claim_slot(group.id, int(slot), topk_idx)
     T, K = topk_idx.shape
     le = group.local_experts
     out = (jax.ShapeDtypeStruct((le + 1,), jnp.int32), jax.ShapeDtypeStruct((le,), jnp.int32),
