@@ -271,13 +271,14 @@ void bind_ops(nb::module_& m) {
         [](const MlpConfig& c, const TensorRef& x, const TensorRef& offsets, const TensorRef& rows, const TensorRef& rw,
            const TensorRef& w_in, const TensorRef& b_in, const TensorRef& w_out, const TensorRef& b_out, const TensorRef& a,
            const TensorRef& h, const TensorRef& d_y, const TensorRef& d_x, const TensorRef& d_rw, const TensorRef& d_w_in,
-           const TensorRef& d_b_in, const TensorRef& d_w_out, const TensorRef& d_b_out, uintptr_t s) {
+           const TensorRef& d_b_in, const TensorRef& d_w_out, const TensorRef& d_b_out, uintptr_t s,
+           const TensorRef& workspace) {
           expert_mlp_backward(c, MlpTensors{x, offsets, rows, rw, w_in, b_in, w_out, b_out, a, h, {}, {}},
-                              MlpGrads{d_y, d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out}, stream_of(s));
+                              MlpGrads{d_y, d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out, workspace}, stream_of(s));
         },
         "config"_a, "x"_a, "offsets"_a, "rows"_a, "row_weights"_a, "w_in"_a, "b_in"_a, "w_out"_a, "b_out"_a, "a"_a,
         "h"_a, "d_y"_a, "d_x"_a, "d_row_weights"_a, "d_w_in"_a, "d_b_in"_a, "d_w_out"_a, "d_b_out"_a, "stream"_a = 0,
-        Release());
+        "workspace"_a = TensorRef(), Release());
 }
 
 void bind_layer(nb::module_& m) {

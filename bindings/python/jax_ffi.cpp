@@ -212,7 +212,7 @@ ffi::Error mlp_bwd(Where w, int64_t activation, ffi::AnyBuffer d_y, ffi::AnyBuff
                    ffi::AnyBuffer w_out, ffi::AnyBuffer b_out, ffi::AnyBuffer a, ffi::AnyBuffer h,
                    ffi::Result<ffi::AnyBuffer> d_x, ffi::Result<ffi::AnyBuffer> d_rw, ffi::Result<ffi::AnyBuffer> d_w_in,
                    ffi::Result<ffi::AnyBuffer> d_b_in, ffi::Result<ffi::AnyBuffer> d_w_out,
-                   ffi::Result<ffi::AnyBuffer> d_b_out) {
+                   ffi::Result<ffi::AnyBuffer> d_b_out, ffi::Result<ffi::AnyBuffer> workspace) {
   return guarded([&] {
     const TensorRef rw = view(w, row_weights), dx = view(w, d_x), drw = view(w, d_rw);
     // Rows past offsets[G] belong to no expert: their gradient is zero and the kernels skip them.
@@ -221,8 +221,9 @@ ffi::Error mlp_bwd(Where w, int64_t activation, ffi::AnyBuffer d_y, ffi::AnyBuff
     expert_mlp_backward(mlp_config(activation, rw),
                         MlpTensors{view(w, x), view(w, offsets), view(w, rows), rw, view(w, w_in), view(w, b_in),
                                    view(w, w_out), view(w, b_out), view(w, a), view(w, h), {}, {}},
+                        // d_h and d_a in an XLA buffer of this call's own (stream-ordered, no shared scratch)
                         MlpGrads{view(w, d_y), dx, drw, view(w, d_w_in), view(w, d_b_in), view(w, d_w_out),
-                                 view(w, d_b_out)},
+                                 view(w, d_b_out), view(w, workspace)},
                         Stream{w.stream});
   });
 }
@@ -280,7 +281,7 @@ auto bind_mlp_bwd(B&& b) {
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>();
   return std::move(a).template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>()
-      .template Ret<Buf>().template Ret<Buf>();
+      .template Ret<Buf>().template Ret<Buf>().template Ret<Buf>();
 }
 
 // NAME_gpu / NAME_cpu: XLA handlers (plain functions) that decode the call frame once bound and

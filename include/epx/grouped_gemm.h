@@ -135,6 +135,10 @@ struct MlpGrads {
   TensorRef d_x;            // [rows, H] out
   TensorRef d_row_weights;  // [rows] fp32 (fp64 with fp64 data) out, apply_weights_early only
   TensorRef d_w_in, d_b_in, d_w_out, d_b_out;
+  /// Optional [rows, (P+1)*F] in the data dtype: where the GPU backward keeps d_h and d_a when it
+  /// may not overwrite a and h (MlpConfig::backward_consumes_saved off). Without it they live in a
+  /// per-device scratch that every caller on the device shares (one stream at a time).
+  TensorRef workspace;
 };
 
 void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream stream = {});

@@ -326,6 +326,10 @@ void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const Mlp
     require(!g.d_b_in.defined() && !g.d_b_out.defined(), fn, g.d_b_in.defined() ? "d_b_in" : "d_b_out",
             " is given but the layer has no biases (b_in and b_out are absent)");
   }
+  if (g.workspace.defined()) {
+    check_tensor(fn, "workspace", g.workspace, {d.R, (d.P + 1) * d.F}, {dt});
+    check_device(fn, "workspace", g.workspace, t.x.device());
+  }
   check_mlp_devices(fn, t, &g);
 #ifdef EPX_HAVE_CUDA
   if (t.x.device().is_cuda()) return cuda::expert_mlp_backward_cuda(config, t, g, stream);

@@ -369,9 +369,15 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
   detail::phase_mark(stream, "wgrad_fc2");
   const bool in_place = c.backward_consumes_saved;
-  __nv_bfloat16* d_h = in_place ? static_cast<__nv_bfloat16*>(t.h.data()) : scratch<__nv_bfloat16>(0, static_cast<size_t>(R) * F);
+  // d_h and d_a: over h and a, or in the caller's workspace [R, (P+1)*F], or in the device scratch.
+  auto* ws = static_cast<__nv_bfloat16*>(d.workspace.data());
+  __nv_bfloat16* d_h = in_place ? static_cast<__nv_bfloat16*>(t.h.data())
+                       : ws   ? ws
+                              : scratch<__nv_bfloat16>(0, static_cast<size_t>(R) * F);
   // act_backward reads a[r] before it writes d_a[r] at the same elements, so d_a may take a's place.
-  __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data()) : scratch<__nv_bfloat16>(1, static_cast<size_t>(R) * PF);
+  __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data())
+                       : ws   ? ws + R * F
+                              : scratch<__nv_bfloat16>(1, static_cast<size_t>(R) * PF);
   grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
   detail::phase_mark(stream, "dgrad_fc2");
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(

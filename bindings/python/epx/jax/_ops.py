@@ -264,8 +264,10 @@ def _mlp_fwd(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
 def _mlp_bwd(act, res, d_y):
     x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h = res
     like = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype)  # noqa: E731
-    out = (like(x), like(rw), like(w_in), like(b_in), like(w_out), like(b_out))
-    d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out = jax.ffi.ffi_call("epx_mlp_bwd", out)(
+    # the last output is the backward's workspace for d_h and d_a (dropped after the call)
+    workspace = jax.ShapeDtypeStruct((x.shape[0], (a.shape[1] + 1) * a.shape[2]), a.dtype)
+    out = (like(x), like(rw), like(w_in), like(b_in), like(w_out), like(b_out), workspace)
+    d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out, _ = jax.ffi.ffi_call("epx_mlp_bwd", out)(
         d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h, activation=_i64(act))
     int0 = lambda t: np.zeros(t.shape, jax.dtypes.float0)  # noqa: E731
     return d_x, int0(layout), int0(rows), d_rw, d_w_in, d_b_in, d_w_out, d_b_out

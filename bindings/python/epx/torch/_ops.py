@@ -277,11 +277,13 @@ def grouped_mlp_backward(d_y: Tensor, x: Tensor, offsets: Tensor, rows: Tensor, 
     d_rw = torch.zeros_like(row_weights) if row_weights is not None else None
     d_w_in, d_w_out = torch.empty_like(w_in), torch.empty_like(w_out)
     d_b_in, d_b_out = _maybe_empty_like(b_in), _maybe_empty_like(b_out)
-    # a and h stay intact (backward_consumes_saved off): autograd may run this backward again.
+    # a and h stay intact (backward_consumes_saved off): autograd may run this backward again. On
+    # the GPU, d_h and d_a live in a workspace from torch's allocator (stream-ordered, this op's own).
+    ws = x.new_empty((x.shape[0], (a.shape[1] + 1) * a.shape[2]), dtype=a.dtype) if x.is_cuda else None
     _C.expert_mlp_backward(_mlp_config(activation, row_weights is not None), ref(x), ref(offsets), ref(rows),
                            ref(row_weights), ref(w_in), ref(b_in), ref(w_out), ref(b_out), ref(a), ref(h),
                            ref(d_y.contiguous()), ref(d_x), ref(d_rw), ref(d_w_in), ref(d_b_in), ref(d_w_out),
-                           ref(d_b_out), stream_of(x))
+                           ref(d_b_out), stream_of(x), ref(ws))
     # Custom-op outputs may not alias each other: a fresh empty tensor for each absent gradient.
     given = lambda g: g if g is not None else x.new_empty((0,))  # noqa: E731
     return [d_x, given(d_rw), d_w_in, given(d_b_in), d_w_out, given(d_b_out)]
