@@ -31,11 +31,14 @@ Compare compare(const TensorRef& got_any, const TensorRef& want_any) {
 
 // One forward + backward of a reduced DeepSeek-style layer on the GPUs against R simulated ranks of
 // the CPU reference. Each process computes the reference of every rank and compares its own.
-LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t seed) {
+LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t seed, MlpPrecision precision) {
   MoEConfig c = moe_config(preset, DType::kBF16);
+  const bool fp8 = precision != MlpPrecision::kHigh;
+  const int64_t ffn = fp8 ? 128 : 64;
+  c.precision = precision;
   c.hidden = 256;
-  c.ffn_hidden = 64;
-  c.shared_ffn_hidden = c.shared_ffn_hidden > 0 ? 64 : 0;
+  c.ffn_hidden = ffn;
+  c.shared_ffn_hidden = c.shared_ffn_hidden > 0 ? ffn : 0;
   c.router.num_experts = 32;
   c.router.topk = std::min(c.router.topk, 8);
   c.router.num_groups = std::min(c.router.num_groups, 8);
@@ -99,9 +102,11 @@ LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t see
   for (int64_t t = 0; t < T; ++t)
     same += std::equal(gi.ptr<int32_t>() + t * K, gi.ptr<int32_t>() + (t + 1) * K, hi.ptr<int32_t>() + t * K);
   res.routing_agreement = static_cast<double>(same) / static_cast<double>(T);
-  // bf16 tolerances (the GPU rounds where the reference keeps fp32; see expert_mlp_cuda.cu).
-  res.ok = res.routing_agreement >= 0.9 && res.out.rel < 5e-2 && res.d_x.rel < 8e-2 && res.w_in.rel < 8e-2 &&
-           res.gate.rel < 8e-2;
+  // bf16 tolerances (the GPU rounds where the reference keeps fp32; see expert_mlp_cuda.cu); FP8's
+  // requantization of slightly different h rows adds to them.
+  const double k = fp8 ? 1.5 : 1.0;
+  res.ok = res.routing_agreement >= 0.9 && res.out.rel < 5e-2 * k && res.d_x.rel < 8e-2 * k &&
+           res.w_in.rel < 8e-2 * k && res.gate.rel < 8e-2 * k;
   return res;
 }
 

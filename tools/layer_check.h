@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "epx/grouped_gemm.h"
 #include "epx/presets.h"
 #include "epx/tensor.h"
 
@@ -23,6 +24,8 @@ struct LayerCheck {
 };
 
 /// Collective over this process's GPU group (make_gpu_group); each process checks its own rank.
-LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t seed);
+/// With precision fp8_block the FFN widths are 128 (whole scale blocks) and the tolerances 1.5x.
+LayerCheck check_layer_against_reference(const ShapePreset& preset, uint64_t seed,
+                                         MlpPrecision precision = MlpPrecision::kHigh);
 
 }  // namespace epx::tools

@@ -28,6 +28,17 @@ TEST(MoELayerMultiProcess, MatchesReference) {
   }
 }
 
+// The FP8 block forward across ranks: tokens quantized at the source, dispatched as fp8 with their
+// scales, FP8 expert GEMMs, and the backward from the dequantized rows.
+TEST(MoELayerMultiProcess, Fp8ForwardMatchesReference) {
+  EPX_REQUIRE_LAYER_LAUNCH();
+  for (const char* preset : {"deepseek-v3", "mixtral"}) {
+    const tools::LayerCheck c = tools::check_layer_against_reference(find_preset(preset), 7, MlpPrecision::kFp8Block);
+    EXPECT_TRUE(c.ok) << preset << ": rel. error out " << c.out.rel << ", d_x " << c.d_x.rel << ", d_w_in "
+                      << c.w_in.rel << ", d_gate " << c.gate.rel << ", routing agreement " << c.routing_agreement;
+  }
+}
+
 TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {
   EPX_REQUIRE_LAYER_LAUNCH();
   MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
