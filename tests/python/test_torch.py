@@ -247,6 +247,19 @@ def test_moe_fp8_block_forward_on_the_cpu_reference():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fp8.parameters())
     with pytest.raises(ValueError, match="not fp8_block"):
         high.refresh_fp8_weights()
+    # an optimizer hook keeps the copies current: one refresh per step
+    calls = []
+    fp8.refresh_fp8_weights = lambda: calls.append(1)
+    opt = torch.optim.SGD(fp8.parameters(), lr=0.1)
+    handle = ept.refresh_fp8_weights_after_steps(opt, fp8)
+    opt.step()
+    opt.step()
+    assert len(calls) == 2
+    handle.remove()
+    opt.step()
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="without fp8_weight_cache=True"):
+        ept.refresh_fp8_weights_after_steps(opt, tiny_moe(torch.float32, precision="fp8_block"))
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import torch
 from .. import _config
 from . import _ops
 from ._group import Group, group_config
-from ._module import MoE, layer_config
+from ._module import MoE, layer_config, refresh_fp8_weights_after_steps
 
-__all__ = ["Group", "group_config", "MoE", "layer_config", "Router", "Routing", "prepare", "dispatch", "combine",
+__all__ = ["Group", "group_config", "MoE", "layer_config", "refresh_fp8_weights_after_steps", "Router", "Routing", "prepare", "dispatch", "combine",
            "grouped_mlp"]
 
 def _tensor(fn, name, t, optional=False):

@@ -198,3 +198,22 @@ class MoE(nn.Module):
 
 
 _slot_ids = itertools.count(1 << 20)  # slots of MoE modules, apart from the ones users pick for the ops
+
+
+def refresh_fp8_weights_after_steps(optimizer, *modules):
+    """Keeps the FP8 weight copies of `modules` (epx.torch.MoE with fp8_weight_cache=True) current:
+    registers a hook that calls refresh_fp8_weights() on each after every optimizer.step(). Returns
+    the hook's handle (handle.remove() undoes it)."""
+    for m in modules:
+        if not isinstance(m, MoE):
+            raise ValueError(f"epx.torch.refresh_fp8_weights_after_steps: {type(m).__name__} is not an epx.torch.MoE")
+        if not m.config.fp8_weight_cache:
+            raise ValueError("epx.torch.refresh_fp8_weights_after_steps: a module was made without "
+                             "fp8_weight_cache=True (it quantizes its weights on every forward already)")
+
+    def hook(opt, args, kwargs):
+        for m in modules:
+            m.refresh_fp8_weights()
+
+    return optimizer.register_step_post_hook(hook)
+
