@@ -194,13 +194,15 @@ MlpConfig mlp_config(int64_t activation, const TensorRef& row_weights) {
   return c;
 }
 
-ffi::Error mlp_fwd(Where w, int64_t activation, ffi::AnyBuffer x, ffi::AnyBuffer offsets, ffi::AnyBuffer rows,
+ffi::Error mlp_fwd(Where w, int64_t activation, int64_t precision, ffi::AnyBuffer x, ffi::AnyBuffer offsets, ffi::AnyBuffer rows,
                    ffi::AnyBuffer row_weights, ffi::AnyBuffer w_in, ffi::AnyBuffer b_in, ffi::AnyBuffer w_out,
                    ffi::AnyBuffer b_out, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> a,
                    ffi::Result<ffi::AnyBuffer> h) {
   return guarded([&] {
     const TensorRef rw = view(w, row_weights);
-    expert_mlp_forward(mlp_config(activation, rw),
+    MlpConfig c = mlp_config(activation, rw);
+    c.precision = static_cast<MlpPrecision>(precision);  // the backward never needs it (bf16 operands)
+    expert_mlp_forward(c,
                        MlpTensors{view(w, x), view(w, offsets), view(w, rows), rw, view(w, w_in), view(w, b_in),
                                   view(w, w_out), view(w, b_out), view(w, a), view(w, h), view(w, y), {}},
                        Stream{w.stream});
@@ -270,9 +272,9 @@ auto bind_all_reduce(B&& b) {
 }
 template <class B>
 auto bind_mlp_fwd(B&& b) {
-  auto a = std::move(b).template Attr<int64_t>("activation").template Arg<Buf>().template Arg<Buf>()
+  auto a = std::move(b).template Attr<int64_t>("activation").template Attr<int64_t>("precision").template Arg<Buf>()
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
-               .template Arg<Buf>();
+               .template Arg<Buf>().template Arg<Buf>();
   return std::move(a).template Ret<Buf>().template Ret<Buf>().template Ret<Buf>();
 }
 template <class B>

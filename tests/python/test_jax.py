@@ -178,6 +178,26 @@ def test_example_training_step_lowers_the_loss_on_the_cpu_reference():
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
+def test_fp8_block_forward_on_the_cpu_reference():
+    """precision "fp8_block": the forward's GEMMs see quantized operands (close to, not equal to,
+    the high-precision layer); the gradients are the high-precision backward's."""
+    hi = epj.LayerSpec.from_preset("tiny")
+    lo = epj.LayerSpec.from_preset("tiny", precision="fp8_block")
+    g = cpu_group(hi.num_experts, hi.hidden, 16, hi.topk, dtype=jnp.float32)
+    params = jax.device_put(epj.init_params(jax.random.key(3), hi, g.local_experts, jnp.float32, std=0.5), CPU)
+    x = jax.device_put(jax.random.normal(jax.random.key(4), (16, hi.hidden), jnp.float32), CPU)
+
+    def loss(spec, slot):
+        return jax.jit(jax.value_and_grad(
+            lambda p, x: jnp.sum(epj.moe_layer(p, x, group=g, spec=spec, slot=slot)[0] ** 2), argnums=1))(params, x)
+
+    (v_hi, d_hi), (v_lo, d_lo) = loss(hi, 31), loss(lo, 32)
+    assert 1e-4 < abs(float(v_lo) - float(v_hi)) / abs(float(v_hi)) < 0.1
+    assert 1e-4 < rel_err(d_lo, d_hi) < 0.2
+    with pytest.raises(ValueError, match="precision is 'fp4'"):
+        epj.LayerSpec.from_preset("tiny", precision="fp4")
+
+
 def test_a_slot_prepared_twice_in_one_traced_function_is_an_error():
     spec = epj.LayerSpec.from_preset("tiny")
     g = cpu_group(spec.num_experts, spec.hidden, 16, spec.topk)

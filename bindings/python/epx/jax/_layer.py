@@ -24,6 +24,7 @@ class LayerSpec:
     score: str
     aux_loss_coeff: float
     z_loss_coeff: float
+    precision: str = "high"  # the expert GEMMs' forward: "high" or "fp8_block" (see grouped_mlp)
 
     @staticmethod
     def from_preset(preset="deepseek-v3", **overrides):
@@ -39,6 +40,9 @@ class LayerSpec:
         hidden = int(overrides.pop("hidden", c.hidden))
         ffn = int(overrides.pop("ffn_hidden", c.ffn_hidden))
         shared = int(overrides.pop("shared_ffn_hidden", c.shared_ffn_hidden))
+        precision = str(overrides.pop("precision", "high"))
+        if precision not in ("high", "fp8_block"):
+            raise ValueError(f"epx.jax.LayerSpec: precision is '{precision}', expected 'high' or 'fp8_block'")
         if overrides:
             raise ValueError(f"epx.jax: unknown option(s) {', '.join(overrides)}")
         # The FFI router selects and weighs; the losses are computed here in JAX (differentiable).
@@ -46,7 +50,7 @@ class LayerSpec:
         r.aux_loss_coeff = 0.0
         r.z_loss_coeff = 0.0
         score = next(name for name, f in _config.SCORES.items() if f == r.score_function)
-        return LayerSpec(hidden, ffn, shared, r.num_experts, r.topk, register_router(r), score, aux, z)
+        return LayerSpec(hidden, ffn, shared, r.num_experts, r.topk, register_router(r), score, aux, z, precision)
 
     @property
     def use_expert_bias(self):
@@ -110,14 +114,14 @@ def moe_layer(params, x, *, group, spec, slot):
     idx, w = route(spec.router_id, spec.topk, logits, bias)
     r = prepare(group, slot, idx, w)
     recv_x, recv_w = dispatch(r, x, w)
-    y = grouped_mlp(recv_x, r.layout, r.rows, params["w_in"], params["w_out"])
+    y = grouped_mlp(recv_x, r.layout, r.rows, params["w_in"], params["w_out"], precision=spec.precision)
     out = combine(r, y, recv_w)
     if "shared_w_in" in params:
         # The shared experts: one dense FFN over every token, as a one-group grouped FFN (the same
         # kernels, fp32 accumulation, and a backward in the layer dtype).
         T = x.shape[0]
         shared = grouped_mlp(x, jnp.array([0, T], jnp.int32), jnp.array([T], jnp.int32), params["shared_w_in"],
-                             params["shared_w_out"])
+                             params["shared_w_out"], precision=spec.precision)
         out = out + shared
     aux, z, counts = router_losses(spec, logits, r.routed, group)
     return out, {"aux": aux, "z": z, "counts": counts}

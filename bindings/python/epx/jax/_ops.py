@@ -244,24 +244,28 @@ group_sum.defvjp(lambda gid, x: (_group_sum_call(gid, x), None), lambda gid, _, 
 
 
 # ---- grouped expert FFN --------------------------------------------------------------------------
-def _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
+_PRECISIONS = {"high": 0, "fp8_block": 1, "mxfp8": 2}
+
+
+def _mlp_call(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out):
     n, P, F = x.shape[0], w_in.shape[2], w_in.shape[3]
     out = (jax.ShapeDtypeStruct((n, w_out.shape[-1]), x.dtype), jax.ShapeDtypeStruct((n, P, F), x.dtype),
            jax.ShapeDtypeStruct((n, F), x.dtype))
-    return jax.ffi.ffi_call("epx_mlp_fwd", out)(x, layout, rows, rw, w_in, b_in, w_out, b_out, activation=_i64(act))
+    return jax.ffi.ffi_call("epx_mlp_fwd", out)(x, layout, rows, rw, w_in, b_in, w_out, b_out, activation=_i64(act),
+                                                precision=_i64(prec))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
-    return _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _mlp(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out):
+    return _mlp_call(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out)[0]
 
 
-def _mlp_fwd(act, x, layout, rows, rw, w_in, b_in, w_out, b_out):
-    y, a, h = _mlp_call(act, x, layout, rows, rw, w_in, b_in, w_out, b_out)
+def _mlp_fwd(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out):
+    y, a, h = _mlp_call(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out)
     return y, (x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h)
 
 
-def _mlp_bwd(act, res, d_y):
+def _mlp_bwd(act, prec, res, d_y):  # the backward is the same whatever the forward's precision
     x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h = res
     like = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype)  # noqa: E731
     # the last output is the backward's workspace for d_h and d_a (dropped after the call)
@@ -276,13 +280,18 @@ def _mlp_bwd(act, res, d_y):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def grouped_mlp(x, layout, rows, w_in, w_out, *, b_in=None, b_out=None, row_weights=None, activation="swiglu"):
+def grouped_mlp(x, layout, rows, w_in, w_out, *, b_in=None, b_out=None, row_weights=None, activation="swiglu",
+                precision="high"):
     """The experts' FFN over the expert-major layout: y = act(x . w_in[j] + b_in[j]) . w_out[j] +
     b_out[j] for the rows of each local expert j (w_in [G, H, P, F], P = 2 for gated activations;
-    w_out [G, F, H]); with row_weights the activation is scaled by each row's weight before FC2."""
+    w_out [G, F, H]); with row_weights the activation is scaled by each row's weight before FC2.
+    precision "fp8_block" runs the forward's GEMMs on FP8 operands (DeepSeek-V3 block scales; on a
+    GPU H and F multiples of 128); the backward is the same in every precision."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"epx.jax.grouped_mlp: activation is '{activation}', expected one of {', '.join(_ACTIVATIONS)}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"epx.jax.grouped_mlp: precision is '{precision}', expected one of {', '.join(_PRECISIONS)}")
     none = _none(x.dtype)
-    return _mlp(_ACTIVATIONS[activation], x, layout, rows,
+    return _mlp(_ACTIVATIONS[activation], _PRECISIONS[precision], x, layout, rows,
                 row_weights if row_weights is not None else _none(jnp.float64 if x.dtype == jnp.float64 else jnp.float32),
                 w_in, b_in if b_in is not None else none, w_out, b_out if b_out is not None else none)
