@@ -92,67 +92,34 @@ void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const v
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
   grouped::Cache& c = grouped::cache_for(kFp8CacheId);
-  auto up = [](size_t n) { return (n + 255) / 256 * 256; };
-  const size_t G = static_cast<size_t>(groups);
-  const size_t need = up(G * sizeof(K_::Shape3)) + 6 * up(G * sizeof(void*)) + up(G * sizeof(K_::StrideA)) +
-                      up(G * sizeof(K_::StrideB)) + up(G * sizeof(K_::StrideC)) + up(G * sizeof(K_::LayoutSFA)) +
-                      up(G * sizeof(K_::LayoutSFB));
-  if (c.arrays_bytes < need) {
-    if (c.arrays) EPX_CUDA_CHECK(cudaFree(c.arrays));
-    EPX_CUDA_CHECK(cudaMalloc(&c.arrays, need));
-    c.arrays_bytes = need;
-  }
-  char* p = static_cast<char*>(c.arrays);
-  auto take = [&](size_t bytes) {
-    char* at = p;
-    p += up(bytes);
-    return at;
-  };
   Fp8Arrays arr;
-  arr.shapes = reinterpret_cast<K_::Shape3*>(take(G * sizeof(K_::Shape3)));
-  arr.a = reinterpret_cast<const K_::ElementA**>(take(G * sizeof(void*)));
-  arr.b = reinterpret_cast<const K_::ElementB**>(take(G * sizeof(void*)));
-  arr.c = reinterpret_cast<const K_::ElementOut**>(take(G * sizeof(void*)));
-  arr.d = reinterpret_cast<K_::ElementOut**>(take(G * sizeof(void*)));
-  arr.sfa = reinterpret_cast<const float**>(take(G * sizeof(void*)));
-  arr.sfb = reinterpret_cast<const float**>(take(G * sizeof(void*)));
-  arr.sa = reinterpret_cast<K_::StrideA*>(take(G * sizeof(K_::StrideA)));
-  arr.sb = reinterpret_cast<K_::StrideB*>(take(G * sizeof(K_::StrideB)));
-  arr.sc = reinterpret_cast<K_::StrideC*>(take(G * sizeof(K_::StrideC)));
-  arr.lsfa = reinterpret_cast<K_::LayoutSFA*>(take(G * sizeof(K_::LayoutSFA)));
-  arr.lsfb = reinterpret_cast<K_::LayoutSFB*>(take(G * sizeof(K_::LayoutSFB)));
+  grouped::carve_arrays(c, groups, [&](grouped::ArrayCarver& k) {
+    arr.shapes = k.next<K_::Shape3>();
+    arr.a = k.next<const K_::ElementA*>();
+    arr.b = k.next<const K_::ElementB*>();
+    arr.c = k.next<const K_::ElementOut*>();
+    arr.d = k.next<K_::ElementOut*>();
+    arr.sfa = k.next<const float*>();
+    arr.sfb = k.next<const float*>();
+    arr.sa = k.next<K_::StrideA>();
+    arr.sb = k.next<K_::StrideB>();
+    arr.sc = k.next<K_::StrideC>();
+    arr.lsfa = k.next<K_::LayoutSFA>();
+    arr.lsfb = k.next<K_::LayoutSFB>();
+  });
   fp8_setup_kernel<<<(groups + 127) / 128, 128, 0, s>>>(
       arr, static_cast<const uint8_t*>(a), a_scales, static_cast<const uint8_t*>(bt), b_scales,
       static_cast<cutlass::bfloat16_t*>(out), ld_out, K, N, offsets, rows, groups);
   EPX_CHECK_LAUNCH("grouped fp8 setup_kernel");
 
-  int dev = 0;
-  EPX_CUDA_CHECK(cudaGetDevice(&dev));
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = dev;
-  hw.sm_count = sm_count();
   typename K_::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                     {groups, arr.shapes, nullptr},
                                     {arr.a, arr.sa, arr.b, arr.sb, arr.sfa, arr.lsfa, arr.sfb, arr.lsfb},
                                     {{}, arr.c, arr.sc, arr.d, arr.sc},
-                                    hw};
+                                    grouped::hardware_info()};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  typename K_::Gemm gemm;
-  require_status(gemm.can_implement(args) == cutlass::Status::kSuccess, Status::kNotSupported,
-                 "epx::grouped_gemm_forward_fp8", "CUTLASS cannot run this grouped problem (K = ", K, ", N = ", N,
-                 "; both must be multiples of 128)");
-  const size_t ws = K_::Gemm::get_workspace_size(args);
-  if (c.workspace_bytes < ws) {
-    if (c.workspace) EPX_CUDA_CHECK(cudaFree(c.workspace));
-    EPX_CUDA_CHECK(cudaMalloc(&c.workspace, ws));
-    c.workspace_bytes = ws;
-  }
-  require_status(gemm.initialize(args, c.workspace, s) == cutlass::Status::kSuccess, Status::kCudaError,
-                 "epx::grouped_gemm_forward_fp8", "CUTLASS initialize failed");
-  require_status(gemm.run(s) == cutlass::Status::kSuccess, Status::kCudaError, "epx::grouped_gemm_forward_fp8",
-                 "CUTLASS run failed");
-  EPX_CHECK_LAUNCH("CUTLASS grouped FP8 GEMM");
+  grouped::launch<K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N, "both must be multiples of 128");
 }
 
 }  // namespace epx::cuda

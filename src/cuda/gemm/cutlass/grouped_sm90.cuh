@@ -157,6 +157,62 @@ inline Cache& cache_for(int kernel_id) {
   return caches[{dev, kernel_id}];
 }
 
+// Grows a cached device buffer to at least `bytes` (its old contents are not kept).
+inline void grow(void*& ptr, size_t& have, size_t bytes) {
+  if (have >= bytes) return;
+  if (ptr) EPX_CUDA_CHECK(cudaFree(ptr));
+  EPX_CUDA_CHECK(cudaMalloc(&ptr, bytes));
+  have = bytes;
+}
+
+// Hands out per-group device arrays, each 256-byte aligned, one after the other from `base`; with
+// a null base it only adds up the bytes they need.
+struct ArrayCarver {
+  size_t groups;
+  char* base;
+  size_t used = 0;
+  template <class T>
+  T* next() {
+    T* at = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += (groups * sizeof(T) + 255) / 256 * 256;
+    return at;
+  }
+};
+
+// Lays a kernel's per-group arrays out in its cached array buffer (grown on demand): `assign`
+// takes each array with carver.next<T>() in a fixed order; it runs twice, to size the buffer and
+// then to hand out the pointers.
+template <class Assign>
+void carve_arrays(Cache& c, int groups, Assign&& assign) {
+  ArrayCarver size{static_cast<size_t>(groups), nullptr};
+  assign(size);
+  grow(c.arrays, c.arrays_bytes, size.used);
+  ArrayCarver real{static_cast<size_t>(groups), static_cast<char*>(c.arrays)};
+  assign(real);
+}
+
+inline cutlass::KernelHardwareInfo hardware_info() {
+  cutlass::KernelHardwareInfo hw;
+  EPX_CUDA_CHECK(cudaGetDevice(&hw.device_id));
+  hw.sm_count = sm_count();
+  return hw;
+}
+
+// Checks that CUTLASS can run `args`, sizes the cached workspace and launches on `s`. fn names the
+// op in errors; Kd, N and `rule` say which shapes it was given and what they must satisfy.
+template <class Gemm>
+void launch(const typename Gemm::Arguments& args, Cache& c, cudaStream_t s, const char* fn, int64_t Kd, int64_t N,
+            const char* rule) {
+  Gemm gemm;
+  require_status(gemm.can_implement(args) == cutlass::Status::kSuccess, Status::kNotSupported, fn,
+                 "CUTLASS cannot run this grouped problem (K = ", Kd, ", N = ", N, "; ", rule, ")");
+  grow(c.workspace, c.workspace_bytes, Gemm::get_workspace_size(args));
+  require_status(gemm.initialize(args, c.workspace, s) == cutlass::Status::kSuccess, Status::kCudaError, fn,
+                 "CUTLASS initialize failed");
+  require_status(gemm.run(s) == cutlass::Status::kSuccess, Status::kCudaError, fn, "CUTLASS run failed");
+  EPX_CHECK_LAUNCH("CUTLASS grouped GEMM");
+}
+
 template <class K, class Out>
 void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
          int64_t out_group_stride, int64_t Kd, int64_t N, float beta, const int32_t* offsets, const int32_t* rows,
@@ -164,63 +220,31 @@ void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
   Cache& c = cache_for(kernel_id);
-  auto up = [](size_t n) { return (n + 255) / 256 * 256; };
-  const size_t G = static_cast<size_t>(groups);
-  const size_t need = up(G * sizeof(typename K::Shape3)) + 4 * up(G * sizeof(void*)) + up(G * sizeof(typename K::StrideA)) +
-                      up(G * sizeof(typename K::StrideB)) + up(G * sizeof(typename K::StrideC));
-  if (c.arrays_bytes < need) {
-    if (c.arrays) EPX_CUDA_CHECK(cudaFree(c.arrays));
-    EPX_CUDA_CHECK(cudaMalloc(&c.arrays, need));
-    c.arrays_bytes = need;
-  }
-  char* p = static_cast<char*>(c.arrays);
-  auto take = [&](size_t bytes) {
-    char* at = p;
-    p += up(bytes);
-    return at;
-  };
   Arrays<K> arr;
-  arr.shapes = reinterpret_cast<typename K::Shape3*>(take(G * sizeof(typename K::Shape3)));
-  arr.a = reinterpret_cast<const typename K::ElementA**>(take(G * sizeof(void*)));
-  arr.b = reinterpret_cast<const typename K::ElementB**>(take(G * sizeof(void*)));
-  arr.c = reinterpret_cast<const void**>(take(G * sizeof(void*)));
-  arr.d = reinterpret_cast<void**>(take(G * sizeof(void*)));
-  arr.sa = reinterpret_cast<typename K::StrideA*>(take(G * sizeof(typename K::StrideA)));
-  arr.sb = reinterpret_cast<typename K::StrideB*>(take(G * sizeof(typename K::StrideB)));
-  arr.sc = reinterpret_cast<typename K::StrideC*>(take(G * sizeof(typename K::StrideC)));
+  carve_arrays(c, groups, [&](ArrayCarver& k) {
+    arr.shapes = k.next<typename K::Shape3>();
+    arr.a = k.next<const typename K::ElementA*>();
+    arr.b = k.next<const typename K::ElementB*>();
+    arr.c = k.next<const void*>();
+    arr.d = k.next<void*>();
+    arr.sa = k.next<typename K::StrideA>();
+    arr.sb = k.next<typename K::StrideB>();
+    arr.sc = k.next<typename K::StrideC>();
+  });
   setup_kernel<K, Out><<<(groups + 127) / 128, 128, 0, s>>>(mode, arr, a, b, out, ld_out, out_group_stride, Kd, N,
                                                             offsets, rows, groups);
   EPX_CHECK_LAUNCH("grouped setup_kernel");
 
-  int dev = 0;
-  EPX_CUDA_CHECK(cudaGetDevice(&dev));
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = dev;
-  hw.sm_count = sm_count();
   using ElementOut = Out;
   typename K::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {groups, arr.shapes, nullptr},
       {arr.a, arr.sa, arr.b, arr.sb},
       {{}, reinterpret_cast<const ElementOut**>(arr.c), arr.sc, reinterpret_cast<ElementOut**>(arr.d), arr.sc},
-      hw};
+      hardware_info()};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = beta;
-  typename K::Gemm gemm;
-  require_status(gemm.can_implement(args) == cutlass::Status::kSuccess, Status::kNotSupported, "epx::grouped_gemm",
-                 "CUTLASS cannot run this grouped problem (K = ", Kd, ", N = ", N,
-                 "; rows and columns must be multiples of 8 elements)");
-  const size_t ws = K::Gemm::get_workspace_size(args);
-  if (c.workspace_bytes < ws) {
-    if (c.workspace) EPX_CUDA_CHECK(cudaFree(c.workspace));
-    EPX_CUDA_CHECK(cudaMalloc(&c.workspace, ws));
-    c.workspace_bytes = ws;
-  }
-  require_status(gemm.initialize(args, c.workspace, s) == cutlass::Status::kSuccess, Status::kCudaError,
-                 "epx::grouped_gemm", "CUTLASS initialize failed");
-  require_status(gemm.run(s) == cutlass::Status::kSuccess, Status::kCudaError, "epx::grouped_gemm",
-                 "CUTLASS run failed");
-  EPX_CHECK_LAUNCH("CUTLASS grouped GEMM");
+  launch<typename K::Gemm>(args, c, s, "epx::grouped_gemm", Kd, N, "rows and columns must be multiples of 8 elements");
 }
 
 }  // namespace epx::cuda::grouped
