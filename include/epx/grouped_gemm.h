@@ -69,6 +69,18 @@ void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, c
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
                               const TensorRef& y, Stream stream = {});
 
+/// The FP8 copies of an expert FFN's weights that MlpTensors::w_in_q ... take (its FP8 block
+/// forward's operands): w_in [G, H, P, F] as [G, H, P*F] and w_out [G, F, H], each through
+/// quantize_grouped_weights_fp8. F must be a multiple of 128 (no block straddles two projections),
+/// H too. fp8_expert_weight_shapes gives the four shapes.
+struct Fp8ExpertWeightShapes {
+  Shape w_in_q, w_in_q_scales, w_out_q, w_out_q_scales;
+};
+Fp8ExpertWeightShapes fp8_expert_weight_shapes(int64_t G, int64_t H, int64_t P, int64_t F);
+void quantize_expert_weights_fp8(const TensorRef& w_in, const TensorRef& w_out, const TensorRef& w_in_q,
+                                 const TensorRef& w_in_q_scales, const TensorRef& w_out_q,
+                                 const TensorRef& w_out_q_scales, Stream stream = {});
+
 enum class Activation : uint8_t {
   kSwiGLU,  // silu(a0) * a1,       silu(z) = z / (1 + exp(-z))
   kGeGLU,   // gelu_tanh(a0) * a1,  gelu_tanh(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
@@ -120,9 +132,8 @@ struct MlpTensors {
   TensorRef h;            // [rows, F] saved
   TensorRef y;            // [rows, H]
   TensorRef x_scales;     // [rows, S] with an fp8 x: fp32 S = ceil(H/128) (kFp8Block), e8m0 S = ceil(H/32) (kMxfp8)
-  /// kFp8Block only, all four or none: the weights as quantize_grouped_weights_fp8 makes them,
-  /// w_in viewed as [G, H, P*F] -> w_in_q [G, P*F, H] + [G, H/128, P*F/128], w_out -> w_out_q
-  /// [G, H, F] + [G, F/128, H/128]. The GPU forward then skips quantizing the weights on every call
+  /// kFp8Block only, all four or none: the weights as quantize_expert_weights_fp8 makes them
+  /// (shapes: fp8_expert_weight_shapes). The GPU forward then skips quantizing the weights on every call
   /// (the CPU reference always quantizes w_in / w_out itself): they MUST be the current weights'.
   TensorRef w_in_q, w_in_q_scales, w_out_q, w_out_q_scales;
 };

@@ -151,11 +151,14 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
     require(n_fp8_w == 4 && c.precision == MlpPrecision::kFp8Block, fn, "pre-quantized weights (w_in_q, w_in_q_scales, ",
             "w_out_q, w_out_q_scales) go all four together and with precision fp8_block; ", n_fp8_w,
             " given with precision ", mlp_precision_name(c.precision));
-    const int64_t G = t.w_in.size(0), H = t.w_in.size(1), PF = t.w_in.size(2) * t.w_in.size(3), F = t.w_in.size(3);
-    check_tensor(fn, "w_in_q", t.w_in_q, {G, PF, H}, {DType::kF8E4M3});
-    check_tensor(fn, "w_in_q_scales", t.w_in_q_scales, {G, H / 128, PF / 128}, {DType::kF32});
-    check_tensor(fn, "w_out_q", t.w_out_q, {G, H, F}, {DType::kF8E4M3});
-    check_tensor(fn, "w_out_q_scales", t.w_out_q_scales, {G, F / 128, H / 128}, {DType::kF32});
+    const Fp8ExpertWeightShapes s = fp8_expert_weight_shapes(d.G, d.H, d.P, d.F);
+    auto check = [&](const char* name, const TensorRef& q, const Shape& shape, DType dtype) {
+      check_tensor(fn, name, q, {shape[0], shape[1], shape[2]}, {dtype});
+    };
+    check("w_in_q", t.w_in_q, s.w_in_q, DType::kF8E4M3);
+    check("w_in_q_scales", t.w_in_q_scales, s.w_in_q_scales, DType::kF32);
+    check("w_out_q", t.w_out_q, s.w_out_q, DType::kF8E4M3);
+    check("w_out_q_scales", t.w_out_q_scales, s.w_out_q_scales, DType::kF32);
     check_all_on(fn, t.w_in.device(), {{"w_in_q", &t.w_in_q}, {"w_in_q_scales", &t.w_in_q_scales},
                                        {"w_out_q", &t.w_out_q}, {"w_out_q_scales", &t.w_out_q_scales}});
   }
@@ -226,6 +229,26 @@ void quantize_grouped_weights_fp8(const TensorRef& w, const TensorRef& w_q, cons
 #endif
   require_host(fn, w.device());
   ref::quantize_grouped_weights_fp8(w, w_q, w_scales);
+}
+
+Fp8ExpertWeightShapes fp8_expert_weight_shapes(int64_t G, int64_t H, int64_t P, int64_t F) {
+  const int64_t PF = P * F;
+  return {{G, PF, H}, {G, H / 128, PF / 128}, {G, H, F}, {G, F / 128, H / 128}};
+}
+
+void quantize_expert_weights_fp8(const TensorRef& w_in, const TensorRef& w_out, const TensorRef& w_in_q,
+                                 const TensorRef& w_in_q_scales, const TensorRef& w_out_q,
+                                 const TensorRef& w_out_q_scales, Stream stream) {
+  const char* fn = "epx::quantize_expert_weights_fp8";
+  check_tensor(fn, "w_in", w_in, {-1, -1, -1, -1}, {DType::kBF16, DType::kF16, DType::kF32});
+  const int64_t G = w_in.size(0), H = w_in.size(1), P = w_in.size(2), F = w_in.size(3);
+  check_tensor(fn, "w_out", w_out, {G, F, H}, {w_in.dtype()});
+  require(F % 128 == 0, fn, "w_in has ffn ", F, ": a multiple of 128 is needed (a 128x128 block may not straddle ",
+          "two projections)");
+  // w_in [G, H, P, F] as [G, H, P*F]: the stacked projections side by side in each row.
+  quantize_grouped_weights_fp8(TensorRef(w_in.data(), w_in.dtype(), {G, H, P * F}, w_in.device()), w_in_q,
+                               w_in_q_scales, stream);
+  quantize_grouped_weights_fp8(w_out, w_out_q, w_out_q_scales, stream);
 }
 
 void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,

@@ -298,15 +298,13 @@ void MoELayer::refresh_fp8_weights(Stream stream) {
   const Device dev = group_.device();
   if (!dev.is_cuda()) return;  // the CPU reference quantizes from the weights on every forward
   const TensorRef& w_in = params_.w_in;
-  const int64_t G = w_in.size(0), H = w_in.size(1), PF = w_in.size(2) * w_in.size(3), F = w_in.size(3);
-  ensure(fp8_w_in_q_, {G, PF, H}, DType::kF8E4M3, dev);
-  ensure(fp8_w_in_scales_, {G, H / 128, PF / 128}, DType::kF32, dev);
-  ensure(fp8_w_out_q_, {G, H, F}, DType::kF8E4M3, dev);
-  ensure(fp8_w_out_scales_, {G, F / 128, H / 128}, DType::kF32, dev);
-  // w_in [G, H, P, F] as [G, H, P*F]: the stacked projections, one 128x128 grid (F % 128 == 0).
-  quantize_grouped_weights_fp8(TensorRef(w_in.data(), w_in.dtype(), {G, H, PF}, w_in.device()), fp8_w_in_q_,
-                               fp8_w_in_scales_, stream);
-  quantize_grouped_weights_fp8(params_.w_out, fp8_w_out_q_, fp8_w_out_scales_, stream);
+  const Fp8ExpertWeightShapes s = fp8_expert_weight_shapes(w_in.size(0), w_in.size(1), w_in.size(2), w_in.size(3));
+  ensure(fp8_w_in_q_, s.w_in_q, DType::kF8E4M3, dev);
+  ensure(fp8_w_in_scales_, s.w_in_q_scales, DType::kF32, dev);
+  ensure(fp8_w_out_q_, s.w_out_q, DType::kF8E4M3, dev);
+  ensure(fp8_w_out_scales_, s.w_out_q_scales, DType::kF32, dev);
+  quantize_expert_weights_fp8(w_in, params_.w_out, fp8_w_in_q_, fp8_w_in_scales_, fp8_w_out_q_, fp8_w_out_scales_,
+                              stream);
 }
 
 void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,

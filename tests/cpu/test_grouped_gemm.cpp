@@ -475,6 +475,23 @@ TEST(GroupedGemmFp8, ValidatesShapesAndDtypes) {
   EXPECT_EQ(what_of([&] { quantize_grouped_weights_fp8(w, q, sc); }),
             "epx::quantize_grouped_weights_fp8: w is [2, 64, 128]: K and N must be multiples of 128 (whole 128x128 "
             "blocks)");
+  // An FFN's weights: w_in [G, H, P, F] is quantized as [G, H, P*F], with F a multiple of 128.
+  std::mt19937 rng(43);
+  Tensor w_in = random_tensor({2, 128, 2, 128}, DType::kBF16, rng), w_out = random_tensor({2, 128, 128}, DType::kBF16, rng);
+  const Fp8ExpertWeightShapes s = fp8_expert_weight_shapes(2, 128, 2, 128);
+  Tensor wi_q = Tensor::empty(s.w_in_q, DType::kF8E4M3), wi_s = Tensor::empty(s.w_in_q_scales, DType::kF32);
+  Tensor wo_q = Tensor::empty(s.w_out_q, DType::kF8E4M3), wo_s = Tensor::empty(s.w_out_q_scales, DType::kF32);
+  quantize_expert_weights_fp8(w_in, w_out, wi_q, wi_s, wo_q, wo_s);
+  Tensor in_q = Tensor::empty(s.w_in_q, DType::kF8E4M3), in_s = Tensor::empty(s.w_in_q_scales, DType::kF32);
+  Tensor out_q = Tensor::empty(s.w_out_q, DType::kF8E4M3), out_s = Tensor::empty(s.w_out_q_scales, DType::kF32);
+  quantize_grouped_weights_fp8(sub(w_in, 0, {2, 128, 256}), in_q, in_s);
+  quantize_grouped_weights_fp8(w_out, out_q, out_s);
+  EXPECT_TRUE(same_bits(wi_q, in_q) && same_bits(wi_s, in_s)) << "w_in as [G, H, P*F]";
+  EXPECT_TRUE(same_bits(wo_q, out_q) && same_bits(wo_s, out_s)) << "w_out";
+  Tensor narrow = Tensor::zeros({1, 128, 2, 64}, DType::kBF16), narrow_out = Tensor::zeros({1, 64, 128}, DType::kBF16);
+  EXPECT_EQ(what_of([&] { quantize_expert_weights_fp8(narrow, narrow_out, wi_q, wi_s, wo_q, wo_s); }),
+            "epx::quantize_expert_weights_fp8: w_in has ffn 64: a multiple of 128 is needed (a 128x128 block may not "
+            "straddle two projections)");
 }
 
 }  // namespace

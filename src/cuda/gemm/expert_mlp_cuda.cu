@@ -240,9 +240,13 @@ T* scratch(int slot, size_t elems) {
 
 int row_grid(int64_t rows) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * 16))); }
 
-void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F) {
+void require_grouped_gemm(const char* fn) {
   require_status(grouped_gemm_available(), Status::kNotSupported, fn,
                  "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+}
+
+void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F) {
+  require_grouped_gemm(fn);
   require_status(x.dtype() == DType::kBF16, Status::kNotSupported, fn, "x has dtype ", dtype_name(x.dtype()),
                  "; the GPU grouped GEMMs take bf16");
   require_status(H % 8 == 0 && F % 8 == 0, Status::kNotSupported, fn, "hidden ", H, " and ffn ", F,
@@ -275,22 +279,26 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   const int64_t G = t.rows.size(0);
   const Device dev = t.x.device();
   auto ref_of = [&](void* p, DType dt, Shape s) { return TensorRef(p, dt, std::move(s), dev); };
+  // fp8 codes or fp32 scales in scratch slot `slot`
+  auto in_scratch = [&](int slot, DType dt, const Shape& s) {
+    void* p = dt == DType::kF32 ? static_cast<void*>(scratch<float>(slot, static_cast<size_t>(s.numel())))
+                                : static_cast<void*>(scratch<uint8_t>(slot, static_cast<size_t>(s.numel())));
+    return ref_of(p, dt, s);
+  };
   TensorRef x_q = t.x, x_s = t.x_scales;
   if (t.x.dtype() != DType::kF8E4M3) {
-    x_q = ref_of(scratch<uint8_t>(3, static_cast<size_t>(R * H)), DType::kF8E4M3, {R, H});
-    x_s = ref_of(scratch<float>(4, static_cast<size_t>(R * (H / 128))), DType::kF32, {R, H / 128});
+    x_q = in_scratch(3, DType::kF8E4M3, {R, H});
+    x_s = in_scratch(4, DType::kF32, {R, H / 128});
     quantize(QuantRecipe::kFp8Block1x128, t.x, x_q, x_s, QuantOptions{}, stream);
   }
   TensorRef wi_q = t.w_in_q, wi_s = t.w_in_q_scales, wo_q = t.w_out_q, wo_s = t.w_out_q_scales;
   if (!wi_q.defined()) {  // no copy kept by the caller: quantize them now
-    wi_q = ref_of(scratch<uint8_t>(5, static_cast<size_t>(G * PF * H)), DType::kF8E4M3, {G, PF, H});
-    wi_s = ref_of(scratch<float>(6, static_cast<size_t>(G * (H / 128) * (PF / 128))), DType::kF32,
-                  {G, H / 128, PF / 128});
-    wo_q = ref_of(scratch<uint8_t>(7, static_cast<size_t>(G * H * F)), DType::kF8E4M3, {G, H, F});
-    wo_s = ref_of(scratch<float>(8, static_cast<size_t>(G * (F / 128) * (H / 128))), DType::kF32, {G, F / 128, H / 128});
-    // w_in [G, H, P, F] is [G, H, P*F]: with F % 128 == 0 no block straddles two projections.
-    quantize_transpose_weights_fp8(t.w_in.data(), t.w_in.dtype(), G, H, PF, wi_q.data(), wi_s.ptr<float>(), stream);
-    quantize_transpose_weights_fp8(t.w_out.data(), t.w_out.dtype(), G, F, H, wo_q.data(), wo_s.ptr<float>(), stream);
+    const Fp8ExpertWeightShapes ws = fp8_expert_weight_shapes(G, H, P, F);
+    wi_q = in_scratch(5, DType::kF8E4M3, ws.w_in_q);
+    wi_s = in_scratch(6, DType::kF32, ws.w_in_q_scales);
+    wo_q = in_scratch(7, DType::kF8E4M3, ws.w_out_q);
+    wo_s = in_scratch(8, DType::kF32, ws.w_out_q_scales);
+    quantize_expert_weights_fp8(t.w_in, t.w_out, wi_q, wi_s, wo_q, wo_s, stream);
     detail::phase_mark(stream, "fp8_weights");
   }
   grouped_forward_fp8_cuda(x_q, x_s, wi_q, wi_s, t.offsets, t.rows, ref_of(t.a.data(), DType::kBF16, {R, PF}), stream);
@@ -303,8 +311,7 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
       static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
   EPX_CHECK_LAUNCH("act_forward_kernel");
   detail::phase_mark(stream, "act");
-  const TensorRef h_q = ref_of(scratch<uint8_t>(9, static_cast<size_t>(R * F)), DType::kF8E4M3, {R, F});
-  const TensorRef h_s = ref_of(scratch<float>(10, static_cast<size_t>(R * (F / 128))), DType::kF32, {R, F / 128});
+  const TensorRef h_q = in_scratch(9, DType::kF8E4M3, {R, F}), h_s = in_scratch(10, DType::kF32, {R, F / 128});
   quantize(QuantRecipe::kFp8Block1x128, ref_of(t.h.data(), DType::kBF16, {R, F}), h_q, h_s, QuantOptions{}, stream);
   grouped_forward_fp8_cuda(h_q, h_s, wo_q, wo_s, t.offsets, t.rows, t.y, stream);
   detail::phase_mark(stream, "fc2");
@@ -317,8 +324,7 @@ void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream str
   require_status(!t.b_in.defined() && c.precision != MlpPrecision::kMxfp8, Status::kNotSupported, fn,
                  "expert biases and the MXFP8 precision run on the CPU reference only for now");
   if (c.precision == MlpPrecision::kFp8Block) {
-    require_status(grouped_gemm_available(), Status::kNotSupported, fn,
-                   "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+    require_grouped_gemm(fn);
     require_status(t.a.dtype() == DType::kBF16, Status::kNotSupported, fn, "a has dtype ", dtype_name(t.a.dtype()),
                    "; the GPU FP8 path takes bf16 data (x bf16 or fp8_e4m3 with scales; a, h, y, weights bf16)");
     require_status(H % 128 == 0 && F % 128 == 0, Status::kNotSupported, fn, "hidden ", H, " and ffn ", F,
@@ -416,8 +422,7 @@ void quantize_grouped_weights_fp8_cuda(const TensorRef& w, const TensorRef& w_q,
 void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
                               const TensorRef& y, Stream stream) {
-  require_status(grouped_gemm_available(), Status::kNotSupported, "epx::grouped_gemm_forward_fp8",
-                 "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
+  require_grouped_gemm("epx::grouped_gemm_forward_fp8");
   const int64_t R = x_q.size(0), K = x_q.size(1), N = y.size(1);
   const int G = static_cast<int>(rows.size(0));
   for (const auto& [name, p] : {std::pair<const char*, const void*>{"x_q", x_q.data()}, {"w_q", w_q.data()},
