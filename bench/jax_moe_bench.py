@@ -31,17 +31,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import epx.jax as epj
 
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:
-    from jax.experimental.shard_map import shard_map
-
-
-def smap(f, mesh, in_specs, out_specs):
-    if "check_vma" in shard_map.__code__.co_varnames:
-        return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def timed(fn, iters, mode="each_step"):
     """Mean microseconds per call after a warm-up. each_step: wait for every step before the next
     call (as the pure-JAX baseline times itself); queued: calls queued back to back, each dropping
@@ -93,8 +82,8 @@ def bench_preset(name, tokens, iters, devices, variant="full", trace_dir="", tim
             return params, jax.grad(loss, argnums=1)(params, x)
         return jax.grad(loss, argnums=(0, 1))(params, x)
 
-    f = jax.jit(smap(fwd, mesh, (pspec, P("ep")), P("ep")))
-    fb = jax.jit(smap(fwd_bwd, mesh, (pspec, P("ep"), P("ep")), (pspec, P("ep"))))
+    f = jax.jit(epj.shard_map(fwd, mesh, (pspec, P("ep")), P("ep")))
+    fb = jax.jit(epj.shard_map(fwd_bwd, mesh, (pspec, P("ep"), P("ep")), (pspec, P("ep"))))
     t_f = timed(lambda: f(params, x), iters)
     t_fb = timed(lambda: fb(params, x, d), iters)
     queued = {m: timed(lambda: fb(params, x, d), iters, m) for m in timings}

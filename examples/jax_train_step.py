@@ -27,15 +27,6 @@ import epx.jax as epj
 EXPERT_PARAMS = ("w_in", "w_out")
 
 
-def shard_map_of(f, mesh, in_specs, out_specs):
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:
-        from jax.experimental.shard_map import shard_map
-    if "check_vma" in shard_map.__code__.co_varnames:
-        return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 class Model:
     """x + MoEBlock(x): the smallest model with a residual path around the layer."""
 
@@ -65,7 +56,7 @@ def make_step(model, mesh, ranks, lr, bias_rate, pspec, sspec):
             state = {"expert_bias": epj.update_expert_bias(state["expert_bias"], counts, bias_rate)}
         return params, state, jax.lax.pmean(mse, "ep"), aux, z
 
-    return jax.jit(shard_map_of(step, mesh, (pspec, sspec, P("ep"), P("ep")), (pspec, sspec, P(), P(), P())),
+    return jax.jit(epj.shard_map(step, mesh, (pspec, sspec, P("ep"), P("ep")), (pspec, sspec, P(), P(), P())),
                    donate_argnums=(0, 1))
 
 

@@ -15,15 +15,6 @@ EXPERTS, HIDDEN, TOKENS = 16, 128, 128
 SPEC = dict(hidden=HIDDEN, ffn_hidden=64, shared_ffn_hidden=64, num_experts=EXPERTS)
 
 
-def shard_map_of(f, mesh, in_specs, out_specs):
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:
-        from jax.experimental.shard_map import shard_map
-    if "check_vma" in shard_map.__code__.co_varnames:
-        return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def global_array(value, mesh, spec):
     """The same host value on every process, placed as one array over the whole mesh."""
     value = np.asarray(value)
@@ -51,7 +42,7 @@ def check_layer_step_against_reference(group, mesh, spec, slot=1):
         gp = {k: (gr if k in experts else jax.lax.psum(gr, "ep")) for k, gr in grads[0].items()}
         return out, aux, gp, grads[1]
 
-    sharded = jax.jit(shard_map_of(step, mesh, (pspec, P("ep"), P("ep")), (P("ep"), P(), pspec, P("ep"))))
+    sharded = jax.jit(epj.shard_map(step, mesh, (pspec, P("ep"), P("ep")), (P("ep"), P(), pspec, P("ep"))))
     args = ({k: global_array(v, mesh, pspec[k]) for k, v in full.items()}, global_array(x, mesh, P("ep")),
             global_array(d, mesh, P("ep")))
     out, aux, gp, gx = multihost_utils.process_allgather(sharded(*args), tiled=True)

@@ -43,13 +43,13 @@ if __name__ != "__main__":
                     allow_module_level=True)
     if not getattr(epx._C, "gpu_grouped_gemm", False):
         pytest.skip("epx was built without the CUTLASS grouped GEMMs", allow_module_level=True)
-    if gpu_count() < 2:
-        pytest.skip(f"{gpu_count()} GPU(s) visible: the one-process-per-GPU epx.jax test needs 2",
-                    allow_module_level=True)
+    WORLD = gpu_count()
+    if WORLD < 2:
+        pytest.skip(f"{WORLD} GPU(s) visible: the one-process-per-GPU epx.jax test needs 2", allow_module_level=True)
 
 
 def test_moe_layer_one_process_per_gpu_matches_cpu_reference():
-    world = gpu_count()
+    world = WORLD
     port = free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
         [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
