@@ -284,18 +284,29 @@ TEST(ExpertMlpGpu, Fp8BlockForwardAndItsBackwardMatchReference) {
 // The whole layer on one GPU against the same layer on the CPU reference (bf16 both): outputs,
 // losses and input gradients agree within bf16 rounding (FP8's for the FP8 forward) for tokens
 // whose routing agrees.
-void check_one_gpu_layer(MlpPrecision precision, int64_t hidden, int64_t ffn, double tol) {
+// The "small" preset at the given widths, and a group for 64 tokens of it.
+MoEConfig small_layer(int64_t hidden, int64_t ffn, int64_t shared_ffn, MlpPrecision precision) {
   MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
   c.hidden = hidden;
   c.ffn_hidden = ffn;
-  c.shared_ffn_hidden = ffn;
+  c.shared_ffn_hidden = shared_ffn;
   c.precision = precision;
+  return c;
+}
+
+GroupConfig group_for_64_tokens(const MoEConfig& c) {
   GroupConfig gc;
   gc.num_experts = c.router.num_experts;
   gc.hidden = c.hidden;
   gc.max_tokens_per_rank = 64;
   gc.max_topk = c.router.topk;
   gc.align = 16;
+  return gc;
+}
+
+void check_one_gpu_layer(MlpPrecision precision, int64_t hidden, int64_t ffn, double tol) {
+  const MoEConfig c = small_layer(hidden, ffn, ffn, precision);
+  const GroupConfig gc = group_for_64_tokens(c);
   auto host = Group::create_simulated(1, gc);
   Group gpu = Group::create_local(gc, 0);
   MoELayer lh(host[0], c), lg(gpu, c);
@@ -346,18 +357,8 @@ TEST(MoELayerGpu, OneGpuFp8ForwardMatchesReference) {
 // weight change the kept copy is stale until refresh_fp8_weights(), then bit-identical again.
 TEST(MoELayerGpu, Fp8WeightCacheMatchesPerCallQuantizationAndRefreshes) {
   EPX_REQUIRE_GROUPED();
-  MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
-  c.hidden = 128;
-  c.ffn_hidden = 128;
-  c.shared_ffn_hidden = 0;
-  c.precision = MlpPrecision::kFp8Block;
-  GroupConfig gc;
-  gc.num_experts = c.router.num_experts;
-  gc.hidden = c.hidden;
-  gc.max_tokens_per_rank = 64;
-  gc.max_topk = c.router.topk;
-  gc.align = 16;
-  Group gpu = Group::create_local(gc, 0);
+  const MoEConfig c = small_layer(128, 128, 0, MlpPrecision::kFp8Block);
+  Group gpu = Group::create_local(group_for_64_tokens(c), 0);
   MoEConfig cached_cfg = c;
   cached_cfg.fp8_weight_cache = true;
   MoELayer per_call(gpu, c), cached(gpu, cached_cfg);
