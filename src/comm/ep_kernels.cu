@@ -19,6 +19,7 @@
 
 #include <algorithm>
 
+#include "comm/ep_device.cuh"
 #include "comm/signal.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
@@ -26,44 +27,13 @@
 namespace epx::comm {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;
-constexpr int kReduceUnroll = 2;
-constexpr int kSendUnroll = 8;
-constexpr int kMaxK = 32;
-constexpr int kMaxR = 64;
-
-__host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
-  return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns};
-}
+using namespace ep_device;
 
 __global__ void barrier_kernel(SignalArgs s, int op) { group_barrier(s, op); }
 
 void barrier(const DeviceGroup& g, int op, cudaStream_t stream) {
   barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op);
   EPX_CHECK_LAUNCH("barrier_kernel");
-}
-
-// ---- mailboxes and the receive area ----------------------------------------------------------
-
-// Slot `slot` of the rows this rank writes for peer p.
-__device__ __forceinline__ char* out_row(const DeviceGroup& g, int p, int64_t slot, int64_t stride) {
-  return g.out[p] + slot * stride;
-}
-// The max_topk metadata entries of slot `slot` this rank writes for peer p.
-__device__ __forceinline__ RowMeta* out_meta(const DeviceGroup& g, int p, int64_t slot) {
-  return reinterpret_cast<RowMeta*>(g.out[g.R + p]) + slot * g.max_topk;
-}
-__device__ __forceinline__ int32_t* out_header(const DeviceGroup& g, int p) {
-  return reinterpret_cast<int32_t*>(g.out[2 * g.R + p]);
-}
-// Slot `slot` of the rows source s sent to this rank.
-__device__ __forceinline__ const char* in_row(const DeviceGroup& g, int s, int64_t slot, int64_t stride) {
-  return g.my_window + g.layout.row_offset(s, 0) + slot * stride;
-}
-__device__ __forceinline__ const RowMeta* in_meta(const DeviceGroup& g, int s, int64_t slot) {
-  return reinterpret_cast<const RowMeta*>(g.my_window + g.layout.meta_offset(s, 0)) + slot * g.max_topk;
 }
 
 __global__ void zero_copy_mailboxes_kernel(WindowLayout L, int rank, int R, char* const* peer_window, char** out) {
@@ -213,21 +183,6 @@ __global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phas
 
 // ---- dispatch --------------------------------------------------------------------------------
 
-struct SendArgs {
-  DeviceGroup g;
-  int T, K;
-  const int32_t* routed;      // [T, K]
-  const int32_t* pair_pos;    // [T, K]
-  const int32_t* token_slot;  // [T, R]
-  const char* rows;           // [T, row_bytes]
-  int64_t row_bytes;
-  const char* scales;         // [T, scale_bytes] or null
-  int64_t scale_bytes;
-  const float* weights;       // [T, K] or null
-  bool with_meta;             // dispatch writes the routing meta; combine_backward does not
-  int64_t stride;             // bytes per mailbox slot (>= row_bytes + scale_bytes, multiple of 16)
-};
-
 template <class V>
 __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
   __shared__ int32_t slot_s[kWarps][kMaxR];
@@ -274,22 +229,6 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
     __syncwarp();
   }
 }
-
-struct ExpandArgs {
-  DeviceGroup g;
-  int K;
-  const int32_t* recv_tokens;     // [R]
-  const int32_t* segment_starts;  // [Le, R]
-  const int32_t* offsets;         // [Le + 1]
-  const int32_t* expert_rows;     // [Le]
-  int32_t* recv_row;              // [R, max_tokens, K]
-  char* out;                      // [rows, row_bytes]
-  int64_t row_bytes;
-  char* out_scales;               // [rows, scale_bytes] or null
-  int64_t scale_bytes;
-  float* out_weights;             // [rows] or null
-  int64_t stride;                 // bytes per received slot
-};
 
 template <class V>
 __global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
@@ -620,7 +559,9 @@ void check_limits(const DeviceGroup& g, int K, const char* fn) {
 
 }  // namespace
 
-size_t signal_bytes(int num_ranks) { return (static_cast<size_t>(num_ranks) * sizeof(uint32_t) + 255) / 256 * 256; }
+size_t signal_bytes(int num_ranks, int max_tokens) {
+  return (inbox_bytes(num_ranks) + arrival_bytes(num_ranks, max_tokens) + 255) / 256 * 256;
+}
 
 Link& barrier_link() {
   static BarrierLink link;
@@ -683,16 +624,6 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   sa.with_meta = true;
   sa.stride = link.row_stride(g, sa.row_bytes + sa.scale_bytes);
   const bool vec = sa.row_bytes % 16 == 0 && aligned16(sa.rows) && sa.stride % 16 == 0;
-  link.before_write(g, kOpDispatch, s);
-  const int send_grid = grid_for(h.num_tokens, g.send_blocks);
-  if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
-  else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
-  EPX_CHECK_LAUNCH("send_rows_kernel");
-  Delivery d;
-  d.op_code = kOpDispatch;
-  d.row_stride = sa.stride;
-  d.meta = true;
-  link.deliver(g, d, s);
   ExpandArgs ea;
   ea.g = g;
   ea.K = h.topk;
@@ -707,6 +638,20 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   ea.scale_bytes = sa.scale_bytes;
   ea.out_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
   ea.stride = sa.stride;
+  link.before_write(g, kOpDispatch, s);
+  // Zero-copy: send and expand in one launch, the expansion overlapping the transfer.
+  if (link.device_barriers() && overlapped_dispatch_enabled() &&
+      launch_overlapped_dispatch(sa, ea, vec && aligned16(ea.out), s))
+    return;
+  const int send_grid = grid_for(h.num_tokens, g.send_blocks);
+  if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
+  else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
+  EPX_CHECK_LAUNCH("send_rows_kernel");
+  Delivery d;
+  d.op_code = kOpDispatch;
+  d.row_stride = sa.stride;
+  d.meta = true;
+  link.deliver(g, d, s);
   const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
   if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
   else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);

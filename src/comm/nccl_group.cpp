@@ -145,7 +145,7 @@ struct RankResources {
     DeviceGuard g(device);
     layout = WindowLayout::make(c, size);
     if (transport == Transport::kZeroCopy) {
-      window_bytes = layout.total + signal_bytes(size);
+      window_bytes = layout.total + signal_bytes(size, layout.max_tokens);
       nccl_check(ncclMemAlloc(&window, window_bytes), "ncclMemAlloc of the EP window");
       EPX_CUDA_CHECK(cudaMemset(window, 0, window_bytes));
     } else {
