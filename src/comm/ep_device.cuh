@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+#include "cuda/common/dtype_cuda.cuh"
 
 #include "comm/ep_kernels.h"
 #include "comm/signal.cuh"
@@ -12,9 +15,10 @@ namespace epx::comm::ep_device {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;
 constexpr int kReduceUnroll = 2;
 constexpr int kSendUnroll = 8;
+constexpr int kSumUnroll = 4;
+constexpr int kFanoutUnroll = 8;
 constexpr int kMaxK = 32;
 constexpr int kMaxR = 64;
 
@@ -27,8 +31,28 @@ __host__ __device__ inline size_t arrival_bytes(int R, int max_tokens) {
   return static_cast<size_t>(R) * arrival_chunks(max_tokens) * sizeof(uint32_t);
 }
 
+// After the counters: the ticket with which the last block of an overlapped combine knows it is last.
+__host__ __device__ inline size_t signal_area_bytes(int R, int max_tokens) {
+  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + sizeof(uint32_t);
+}
+
 __host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
   return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns};
+}
+
+__device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Arrival counter of chunk c of the slots source `src` writes into rank `dst`'s window.
+__device__ __forceinline__ uint32_t* arrival(const DeviceGroup& g, int dst, int src, int c) {
+  char* base = dst == g.rank ? reinterpret_cast<char*>(g.my_inbox) : reinterpret_cast<char*>(g.peer_inbox[dst]);
+  return reinterpret_cast<uint32_t*>(base + inbox_bytes(g.R)) + static_cast<int64_t>(src) * arrival_chunks(g.max_tokens) + c;
+}
+
+__device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
+  return reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(g.my_inbox) + inbox_bytes(g.R) +
+                                     arrival_bytes(g.R, g.max_tokens));
 }
 
 // ---- mailboxes and the receive area ----------------------------------------------------------
@@ -82,6 +106,282 @@ struct ExpandArgs {
   float* out_weights;             // [rows] or null
   int64_t stride;                 // bytes per received slot
 };
+
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+struct ReduceArgs {
+  DeviceGroup g;
+  int T, K;
+  int64_t H;
+  const int32_t* recv_tokens;    // [R]
+  const int32_t* recv_row;       // [R, max_tokens, K]
+  const void* rows_in;           // [rows, H]
+  const float* row_weights;      // or null
+  const float* row_scalars;      // dispatch_backward: d_recv_weights, or null
+  const int32_t* token_slot;     // [T, R]
+  const int32_t* routed;         // [T, K]
+  void* out;                     // [T, H]
+  float* d_topk_weights;         // [T, K] or null
+  int64_t stride;                // bytes per mailbox slot
+  const int32_t* send_tokens;    // [R] (the overlapped combine: partials each rank sends back)
+};
+
+// cg: a load past L1, for window areas peers write during the same launch (a line this SM cached
+// earlier, shared with a row that had not arrived then, must not be reused).
+template <class P>
+__device__ __forceinline__ P load_pack(const P* p, bool cg) {
+  if (!cg) return *p;
+  P r;
+  if constexpr (sizeof(P) == 16) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    memcpy(&r, &v, sizeof r);
+  } else if constexpr (sizeof(P) == 8) {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p));
+    memcpy(&r, &v, sizeof r);
+  } else if constexpr (sizeof(P) == 4) {
+    const unsigned v = __ldcg(reinterpret_cast<const unsigned*>(p));
+    memcpy(&r, &v, sizeof r);
+  } else if constexpr (sizeof(P) == 2) {
+    const unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    memcpy(&r, &v, sizeof r);
+  } else {
+    static_assert(sizeof(P) == 1, "loads of 1, 2, 4, 8 or 16 bytes");
+    const unsigned char v = __ldcg(reinterpret_cast<const unsigned char*>(p));
+    memcpy(&r, &v, sizeof r);
+  }
+  return r;
+}
+
+// ---- dispatch: rows out, rows expanded ----------------------------------------------------------
+
+// One row to every expert row in rows[0..K) that is >= 0: each piece of the source is loaded once
+// (kFanoutUnroll vectors per lane in flight), then stored to all of them.
+template <class V>
+__device__ __forceinline__ void copy_fanout(const char* src, char* out, int64_t bytes, const int32_t* rows, int K,
+                                            int lane, bool cg) {
+  const V* s = reinterpret_cast<const V*>(src);
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t v0 = lane; v0 < n; v0 += 32 * kFanoutUnroll) {
+    V val[kFanoutUnroll];
+#pragma unroll
+    for (int u = 0; u < kFanoutUnroll; ++u)
+      if (v0 + u * 32 < n) val[u] = load_pack(s + v0 + u * 32, cg);
+    for (int k = 0; k < K; ++k) {
+      const int32_t r = rows[k];
+      if (r < 0) continue;
+      V* d = reinterpret_cast<V*>(out + r * bytes);
+#pragma unroll
+      for (int u = 0; u < kFanoutUnroll; ++u)
+        if (v0 + u * 32 < n) d[v0 + u * 32] = val[u];
+    }
+  }
+}
+
+// Token t's row, its scales and (with_meta) its routing meta into the mailbox slot of every
+// destination with slots[d] >= 0 (one warp; the row is loaded once for all of them). Ends with a
+// warp barrier, so every lane's stores are ordered before what lane 0 does next.
+template <class V>
+__device__ __forceinline__ void send_token(const SendArgs& a, int64_t t, int lane, const int32_t* slots) {
+  const DeviceGroup& g = a.g;
+  const V* src = reinterpret_cast<const V*>(a.rows + t * a.row_bytes);
+  const int64_t n = a.row_bytes / static_cast<int64_t>(sizeof(V));
+  // kSendUnroll loads per lane in flight before the stores go out (NVLink stores from few SMs need
+  // many bytes outstanding).
+  for (int64_t v0 = lane; v0 < n; v0 += 32 * kSendUnroll) {
+    V val[kSendUnroll];
+#pragma unroll
+    for (int u = 0; u < kSendUnroll; ++u)
+      if (v0 + u * 32 < n) val[u] = src[v0 + u * 32];
+    for (int d = 0; d < g.R; ++d) {
+      const int32_t sl = slots[d];
+      if (sl < 0) continue;
+      V* dst = reinterpret_cast<V*>(out_row(g, d, sl, a.stride));
+#pragma unroll
+      for (int u = 0; u < kSendUnroll; ++u)
+        if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
+    }
+  }
+  for (int d = 0; d < g.R; ++d) {
+    const int32_t sl = slots[d];
+    if (sl < 0) continue;
+    char* row = out_row(g, d, sl, a.stride);
+    if (a.scale_bytes)
+      for (int64_t b = lane; b < a.scale_bytes; b += 32) row[a.row_bytes + b] = a.scales[t * a.scale_bytes + b];
+    if (a.with_meta && lane < a.K) {
+      const int32_t e = a.routed[t * a.K + lane];
+      const bool here = e >= 0 && e / g.Le == d;
+      RowMeta m;
+      m.local_expert = here ? e % g.Le : -1;
+      m.position = here ? a.pair_pos[t * a.K + lane] : 0;
+      m.weight = here && a.weights ? static_cast<double>(a.weights[t * a.K + lane]) : 0.0;
+      out_meta(g, d, sl)[lane] = m;
+    }
+  }
+  __syncwarp();
+}
+
+// Received slot `slot` of source s into every expert row it feeds (one warp): its meta gives the
+// rows (recv_row, for combine) and weights; a meta naming no valid row writes nothing. rows_s: the
+// warp's shared scratch. cg: the slot arrived during this launch.
+template <class V>
+__device__ __forceinline__ void expand_received_slot(const ExpandArgs& a, int s, int slot, int lane, int32_t* rows_s,
+                                                     bool cg) {
+  const DeviceGroup& g = a.g;
+  const int K = a.K;
+  int32_t row = -1;
+  if (lane < K) {
+    const RowMeta m = load_pack(in_meta(g, s, slot) + lane, cg);
+    if (m.local_expert >= 0 && m.local_expert < g.Le) {
+      row = a.segment_starts[m.local_expert * g.R + s] + m.position;
+      if (row < 0 || row >= a.offsets[g.Le]) row = -1;  // a corrupt slot never writes out of bounds
+      else if (a.out_weights) a.out_weights[row] = static_cast<float>(m.weight);
+    }
+    a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * K + lane] = row;
+  }
+  rows_s[lane] = lane < K ? row : -1;
+  __syncwarp();
+  const char* src = in_row(g, s, slot, a.stride);
+  copy_fanout<V>(src, a.out, a.row_bytes, rows_s, K, lane, cg);
+  if (a.scale_bytes) copy_fanout<uint8_t>(src + a.row_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, cg);
+  __syncwarp();
+}
+
+// The padding rows of local expert j (zeros, weight 0), one warp.
+template <class V>
+__device__ __forceinline__ void zero_padding_rows(const ExpandArgs& a, int j, int lane) {
+  for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
+    V* d = reinterpret_cast<V*>(a.out + r * a.row_bytes);
+    for (int64_t v = lane; v < a.row_bytes / static_cast<int64_t>(sizeof(V)); v += 32) d[v] = V{};
+    if (a.scale_bytes)
+      for (int64_t b = lane; b < a.scale_bytes; b += 32) a.out_scales[r * a.scale_bytes + b] = 0;
+    if (lane == 0 && a.out_weights) a.out_weights[r] = 0.0f;
+  }
+}
+
+// ---- combine: partials out, partials summed -----------------------------------------------------
+
+// The expert-side partial of received slot `slot` of source s (one warp): sum over its K rows in
+// slot order of weight x row, into the source's mailbox; dispatch_backward's row-weight gradients
+// go into the slot's meta. rows_s / w_s: the warp's shared scratch.
+template <class T, int N>
+__device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int slot, int lane, int32_t* rows_s,
+                                               float* w_s) {
+  using P = Pack<T, N>;
+  const DeviceGroup& g = a.g;
+  const int64_t nvec = a.H / N;
+  int32_t row = -1;
+  float w = 1.0f;
+  if (lane < a.K) {
+    row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
+    if (row >= 0 && a.row_weights) w = a.row_weights[row];
+    if (row >= 0 && a.row_scalars) out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+  }
+  rows_s[lane] = row;
+  w_s[lane] = w;
+  __syncwarp();
+  const P* in = static_cast<const P*>(a.rows_in);
+  P* dst = reinterpret_cast<P*>(out_row(g, s, slot, a.stride));
+  // kReduceUnroll vectors per lane at a time: K x kReduceUnroll independent loads in flight
+  // (the loop is load-latency bound otherwise); per element the slots still add in order.
+  for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kReduceUnroll) {
+    float acc[kReduceUnroll][N];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
+    for (int k = 0; k < a.K; ++k) {
+      const int32_t r = rows_s[k];
+      if (r < 0) continue;
+      P p[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+        if (v0 + u * 32 < nvec) p[u] = in[r * nvec + v0 + u * 32];
+      const float wk = w_s[k];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (a.row_weights) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, cuda::to_float(p[u].v[i]), acc[u][i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[u].v[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (v0 + u * 32 >= nvec) continue;
+      P o;
+#pragma unroll
+      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
+      dst[v0 + u * 32] = o;
+    }
+  }
+  __syncwarp();
+}
+
+// The source-side sum of token t (one warp): out[t] = 0 + the partials of ranks 0, 1, ... that
+// hold its experts (slots[d] >= 0), and its top-k weight gradients from the partials' meta.
+template <class T, int N>
+__device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int lane, const int32_t* slots, bool cg) {
+  using P = Pack<T, N>;
+  const DeviceGroup& g = a.g;
+  const int64_t nvec = a.H / N;
+  if (a.d_topk_weights && lane < a.K) {
+    const int32_t e = a.routed[t * a.K + lane];
+    float v = 0.0f;
+    if (e >= 0) {
+      const int d = e / g.Le;
+      const double* wp = &in_meta(g, d, slots[d])[lane].weight;
+      v = static_cast<float>(cg ? __ldcg(wp) : *wp);
+    }
+    a.d_topk_weights[t * a.K + lane] = v;
+  }
+  P* out = static_cast<P*>(a.out) + t * nvec;
+  // kSumUnroll vectors per lane at a time, R x kSumUnroll loads in flight; per element the ranks
+  // still add in order.
+  for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kSumUnroll) {
+    float acc[kSumUnroll][N];
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
+    for (int d = 0; d < g.R; ++d) {
+      const int32_t sl = slots[d];
+      if (sl < 0) continue;
+      const P* src = reinterpret_cast<const P*>(in_row(g, d, sl, a.stride));
+      P p[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+        if (v0 + u * 32 < nvec) p[u] = load_pack(src + v0 + u * 32, cg);
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[u].v[i]);
+    }
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      if (v0 + u * 32 >= nvec) continue;
+      P o;
+#pragma unroll
+      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
+      out[v0 + u * 32] = o;
+    }
+  }
+  __syncwarp();
+}
+
+/// A launch-shape knob of the overlapped kernels from the environment (a positive integer), else `dflt`.
+int overlap_knob(const char* name, int dflt);
+
+/// The overlapped zero-copy combine and dispatch_backward (combine_overlap.cu), EPX_COMBINE_KERNEL=phased
+/// turns it off; launched after the before-write barrier, false (nothing launched) as above.
+bool overlapped_combine_enabled();
+bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, cudaStream_t stream);
 
 /// The overlapped zero-copy dispatch (dispatch_overlap.cu): EPX_DISPATCH_KERNEL=phased turns it off.
 bool overlapped_dispatch_enabled();

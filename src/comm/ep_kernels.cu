@@ -53,30 +53,6 @@ class BarrierLink final : public Link {
   void deliver(const DeviceGroup& g, const Delivery& d, cudaStream_t stream) override { barrier(g, d.op_code, stream); }
 };
 
-// ---- row copies ----------------------------------------------------------------------------
-
-template <class V>
-__device__ __forceinline__ void copy_row(const char* src, char* dst, int64_t bytes, int lane) {
-  const V* s = reinterpret_cast<const V*>(src);
-  V* d = reinterpret_cast<V*>(dst);
-  const int64_t n = bytes / static_cast<int64_t>(sizeof(V));
-  for (int64_t v0 = lane; v0 < n; v0 += 32 * kUnroll) {
-    V val[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (v0 + u * 32 < n) val[u] = s[v0 + u * 32];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (v0 + u * 32 < n) d[v0 + u * 32] = val[u];
-  }
-}
-
-template <class V>
-__device__ __forceinline__ void zero_bytes(char* dst, int64_t bytes, int lane) {
-  V* d = reinterpret_cast<V*>(dst);
-  for (int64_t v = lane; v < bytes / static_cast<int64_t>(sizeof(V)); v += 32) d[v] = V{};
-}
-
 // Received rows of source s occupy items [prefix[s], prefix[s+1]); maps an item to (s, slot).
 __device__ __forceinline__ void item_source(const int32_t* prefix, int R, int64_t item, int& s, int& slot) {
   s = 0;
@@ -192,41 +168,7 @@ __global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
     for (int d = lane; d < g.R; d += 32) slot_s[warp][d] = a.token_slot[t * g.R + d];
     __syncwarp();
-    const V* src = reinterpret_cast<const V*>(a.rows + t * a.row_bytes);
-    const int64_t n = a.row_bytes / static_cast<int64_t>(sizeof(V));
-    // kSendUnroll loads per lane in flight before the stores go out (NVLink stores from few SMs
-    // need many bytes outstanding).
-    for (int64_t v0 = lane; v0 < n; v0 += 32 * kSendUnroll) {
-      V val[kSendUnroll];
-#pragma unroll
-      for (int u = 0; u < kSendUnroll; ++u)
-        if (v0 + u * 32 < n) val[u] = src[v0 + u * 32];
-      for (int d = 0; d < g.R; ++d) {
-        const int32_t sl = slot_s[warp][d];
-        if (sl < 0) continue;
-        V* dst = reinterpret_cast<V*>(out_row(g, d, sl, a.stride));
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u)
-          if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
-      }
-    }
-    for (int d = 0; d < g.R; ++d) {
-      const int32_t sl = slot_s[warp][d];
-      if (sl < 0) continue;
-      char* row = out_row(g, d, sl, a.stride);
-      if (a.scale_bytes)
-        for (int64_t b = lane; b < a.scale_bytes; b += 32) row[a.row_bytes + b] = a.scales[t * a.scale_bytes + b];
-      if (a.with_meta && lane < a.K) {
-        const int32_t e = a.routed[t * a.K + lane];
-        const bool here = e >= 0 && e / g.Le == d;
-        RowMeta m;
-        m.local_expert = here ? e % g.Le : -1;
-        m.position = here ? a.pair_pos[t * a.K + lane] : 0;
-        m.weight = here && a.weights ? static_cast<double>(a.weights[t * a.K + lane]) : 0.0;
-        out_meta(g, d, sl)[lane] = m;
-      }
-    }
-    __syncwarp();
+    send_token<V>(a, t, lane, slot_s[warp]);
   }
 }
 
@@ -242,60 +184,14 @@ __global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
   const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
     if (it >= received) {
-      const int j = static_cast<int>(it - received);
-      for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
-        zero_bytes<V>(a.out + r * a.row_bytes, a.row_bytes, lane);
-        if (a.scale_bytes) zero_bytes<uint8_t>(a.out_scales + r * a.scale_bytes, a.scale_bytes, lane);
-        if (lane == 0 && a.out_weights) a.out_weights[r] = 0.0f;
-      }
+      zero_padding_rows<V>(a, static_cast<int>(it - received), lane);
       continue;
     }
     int s, slot;
     item_source(prefix, g.R, it, s, slot);
-    int32_t row = -1;
-    if (lane < a.K) {
-      const RowMeta m = in_meta(g, s, slot)[lane];
-      if (m.local_expert >= 0) {
-        row = a.segment_starts[m.local_expert * g.R + s] + m.position;
-        if (a.out_weights) a.out_weights[row] = static_cast<float>(m.weight);
-      }
-      a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane] = row;
-    }
-    rows_s[warp][lane] = row;
-    __syncwarp();
-    const char* src = in_row(g, s, slot, a.stride);
-    for (int k = 0; k < a.K; ++k) {
-      const int32_t r = rows_s[warp][k];
-      if (r < 0) continue;
-      copy_row<V>(src, a.out + r * a.row_bytes, a.row_bytes, lane);
-      if (a.scale_bytes) copy_row<uint8_t>(src + a.row_bytes, a.out_scales + r * a.scale_bytes, a.scale_bytes, lane);
-    }
-    __syncwarp();
+    expand_received_slot<V>(a, s, slot, lane, rows_s[warp], false);
   }
 }
-
-// ---- combine and dispatch_backward ------------------------------------------------------------
-
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-struct ReduceArgs {
-  DeviceGroup g;
-  int T, K;
-  int64_t H;
-  const int32_t* recv_tokens;    // [R]
-  const int32_t* recv_row;       // [R, max_tokens, K]
-  const void* rows_in;           // [rows, H]
-  const float* row_weights;      // or null
-  const float* row_scalars;      // dispatch_backward: d_recv_weights, or null
-  const int32_t* token_slot;     // [T, R]
-  const int32_t* routed;         // [T, K]
-  void* out;                     // [T, H]
-  float* d_topk_weights;         // [T, K] or null
-  int64_t stride;                // bytes per mailbox slot
-};
 
 // Expert side: one partial row per received (source, token), into the source's window.
 template <class T, int N>
@@ -303,65 +199,15 @@ __global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
   __shared__ int32_t rows_s[kWarps][kMaxK];
   __shared__ float w_s[kWarps][kMaxK];
-  using P = Pack<T, N>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
   load_prefix(a.recv_tokens, g.R, prefix);
-  const int64_t items = prefix[g.R], nvec = a.H / N;
+  const int64_t items = prefix[g.R];
   const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
     int s, slot;
     item_source(prefix, g.R, it, s, slot);
-    int32_t row = -1;
-    float w = 1.0f;
-    if (lane < a.K) {
-      row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
-      if (row >= 0 && a.row_weights) w = a.row_weights[row];
-      if (row >= 0 && a.row_scalars)
-        out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
-    }
-    rows_s[warp][lane] = row;
-    w_s[warp][lane] = w;
-    __syncwarp();
-    const P* in = static_cast<const P*>(a.rows_in);
-    P* dst = reinterpret_cast<P*>(out_row(g, s, slot, a.stride));
-    // kReduceUnroll vectors per lane at a time: K x kReduceUnroll independent loads in flight
-    // (the loop is load-latency bound otherwise); per element the slots still add in order.
-    for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kReduceUnroll) {
-      float acc[kReduceUnroll][N];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-        for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
-      for (int k = 0; k < a.K; ++k) {
-        const int32_t r = rows_s[warp][k];
-        if (r < 0) continue;
-        P p[kReduceUnroll];
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u)
-          if (v0 + u * 32 < nvec) p[u] = in[r * nvec + v0 + u * 32];
-        const float wk = w_s[warp][k];
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (a.row_weights) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, cuda::to_float(p[u].v[i]), acc[u][i]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[u].v[i]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (v0 + u * 32 >= nvec) continue;
-        P o;
-#pragma unroll
-        for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
-        dst[v0 + u * 32] = o;
-      }
-    }
-    __syncwarp();
+    reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp]);
   }
 }
 
@@ -369,41 +215,12 @@ __global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
 template <class T, int N>
 __global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
   __shared__ int32_t slot_s[kWarps][kMaxR];
-  using P = Pack<T, N>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const DeviceGroup& g = a.g;
-  const int64_t nvec = a.H / N;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
-    for (int d = lane; d < g.R; d += 32) slot_s[warp][d] = a.token_slot[t * g.R + d];
+    for (int d = lane; d < a.g.R; d += 32) slot_s[warp][d] = a.token_slot[t * a.g.R + d];
     __syncwarp();
-    if (a.d_topk_weights && lane < a.K) {
-      const int32_t e = a.routed[t * a.K + lane];
-      float v = 0.0f;
-      if (e >= 0) {
-        const int d = e / g.Le;
-        v = static_cast<float>(in_meta(g, d, slot_s[warp][d])[lane].weight);
-      }
-      a.d_topk_weights[t * a.K + lane] = v;
-    }
-    P* out = static_cast<P*>(a.out) + t * nvec;
-    for (int64_t v = lane; v < nvec; v += 32) {
-      float acc[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-      for (int d = 0; d < g.R; ++d) {
-        const int32_t sl = slot_s[warp][d];
-        if (sl < 0) continue;
-        const P p = reinterpret_cast<const P*>(in_row(g, d, sl, a.stride))[v];
-#pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] += cuda::to_float(p.v[i]);
-      }
-      P o;
-#pragma unroll
-      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[i]);
-      out[v] = o;
-    }
-    __syncwarp();
+    sum_partials<T, N>(a, t, lane, slot_s[warp], false);
   }
 }
 
@@ -560,7 +377,7 @@ void check_limits(const DeviceGroup& g, int K, const char* fn) {
 }  // namespace
 
 size_t signal_bytes(int num_ranks, int max_tokens) {
-  return (inbox_bytes(num_ranks) + arrival_bytes(num_ranks, max_tokens) + 255) / 256 * 256;
+  return (signal_area_bytes(num_ranks, max_tokens) + 255) / 256 * 256;
 }
 
 Link& barrier_link() {
@@ -678,11 +495,16 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
   a.out = out.data();
   a.d_topk_weights = d_topk_weights.defined() ? d_topk_weights.ptr<float>() : nullptr;
   a.stride = link.row_stride(g, a.H * static_cast<int64_t>(dtype_size(rows_in.dtype())));
+  a.send_tokens = h.send_tokens.ptr<int32_t>();
   with_element(rows_in.dtype(), [&](auto tag) {
     using T = decltype(tag);
     constexpr int N = 16 / sizeof(T);
     const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && a.stride % 16 == 0;
     link.before_write(g, op_code, s);
+    // Zero-copy: partials and sums in one launch, the sums overlapping the transfer.
+    if (link.device_barriers() && overlapped_combine_enabled() &&
+        launch_overlapped_combine(a, rows_in.dtype(), vec, s))
+      return;
     // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
     // traffic it issues is one row per partial).
     const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, cuda::sm_count() * 4);

@@ -1,0 +1,157 @@
+// The zero-copy combine (and dispatch_backward) in one launch, the source-side sums overlapping the
+// transfer of the partials.
+//
+// The phased combine (ep_kernels.cu) is  barrier -> every expert-side partial -> barrier -> sums.
+// Here the first blocks of the grid compute partials and the others sum, in the same launch:
+//  - a reduce warp computes the partial of one received (source, slot) (the same per-element code
+//    as the phased kernel: reduce_partial), writes it into the source's window, then bumps the
+//    source's arrival counter of that slot's chunk with a system-scope release. Slots go chunk
+//    index first, remote sources before this rank, so partials cross the link from the start;
+//  - a sum warp takes one of this rank's tokens, waits (acquire, with the group's timeout) until the
+//    chunk holding each of its slots is complete on every rank it went to, then sums the partials
+//    in rank order (sum_partials, past L1);
+//  - a chunk is read by several sum warps (a chunk holds slots of scattered tokens), so nobody can
+//    take its count: the last block of the grid to finish (a ticket) zeroes this rank's counters,
+//    which every peer has finished bumping by then (each was waited for). The next op's
+//    before-write barrier orders the reset before any new arrival.
+// Ranks wait on each other's reduce warps, so the whole grid must be resident (capped by the
+// occupancy). Results are bit-identical to the phased path: same partials, same order of sums.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "comm/ep_device.cuh"
+#include "cuda/common/cuda_check.h"
+
+namespace epx::comm::ep_device {
+namespace {
+
+// Waits (one lane) until chunk c of the partials rank d sent back holds n arrivals. false: the wait
+// gave up (recorded like a barrier timeout) or the group was already broken.
+__device__ bool wait_chunk(const DeviceGroup& g, int d, int c, uint32_t n) {
+  if (g.status[7] != 0) return false;
+  const uint32_t* cnt = arrival(g, g.rank, d, c);
+  const uint64_t start = global_ns();
+  while (load_acquire_sys(cnt) < n) {
+    if (global_ns() - start > g.timeout_ns) {
+      atomicOr(reinterpret_cast<uint32_t*>(&g.status[d < 32 ? 5 : 6]), 1u << (d & 31));
+      atomicCAS(reinterpret_cast<uint32_t*>(&g.status[7]), 0u, static_cast<uint32_t>(kOpCombine));
+      g.status[8] = static_cast<int32_t>(*g.epoch);
+      return false;
+    }
+    __nanosleep(32);
+  }
+  return true;
+}
+
+template <class T, int N>
+__global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __grid_constant__ ReduceArgs a,
+                                                                   int reduce_blocks) {
+  __shared__ int32_t rows_s[kWarps][kMaxK];
+  __shared__ float w_s[kWarps][kMaxK];
+  __shared__ int32_t slot_s[kWarps][kMaxR];
+  __shared__ int last_s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DeviceGroup& g = a.g;
+  const int R = g.R;
+  if (static_cast<int>(blockIdx.x) < reduce_blocks) {
+    int maxc = 0;
+    for (int s = 0; s < R; ++s) maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
+    const int64_t span = static_cast<int64_t>(R) * kArrivalChunk;  // slots of one chunk index
+    for (int64_t q = static_cast<int64_t>(blockIdx.x) * kWarps + warp; q < maxc * span;
+         q += static_cast<int64_t>(reduce_blocks) * kWarps) {
+      const int c = static_cast<int>(q / span), within = static_cast<int>(q % span);
+      const int s = (g.rank + 1 + within / kArrivalChunk) % R;
+      const int slot = c * kArrivalChunk + within % kArrivalChunk;
+      if (slot >= a.recv_tokens[s]) continue;  // warp-uniform
+      reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp]);
+      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), 1u);
+    }
+  } else {
+    const int sum_blocks = gridDim.x - reduce_blocks;
+    for (int64_t t = static_cast<int64_t>(blockIdx.x - reduce_blocks) * kWarps + warp; t < a.T;
+         t += static_cast<int64_t>(sum_blocks) * kWarps) {
+      for (int d = lane; d < R; d += 32) slot_s[warp][d] = a.token_slot[t * R + d];
+      __syncwarp();
+      int ok = 1;
+      if (lane == 0) {
+        for (int d = 0; d < R && ok; ++d) {
+          const int32_t sl = slot_s[warp][d];
+          if (sl < 0) continue;
+          const int c = sl / kArrivalChunk;
+          ok = wait_chunk(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)));
+        }
+      }
+      __syncwarp();  // lane 0's acquire before every lane's reads
+      ok = __shfl_sync(0xffffffffu, ok, 0);
+      if (ok) sum_partials<T, N>(a, t, lane, slot_s[warp], true);
+    }
+  }
+  // The last block to finish zeroes this rank's counters (every arrival they count has landed).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_s = atomicAdd(done_ticket(g), 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last_s) return;
+  uint32_t* counters = arrival(g, g.rank, 0, 0);
+  const int words = R * arrival_chunks(g.max_tokens);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) counters[i] = 0u;
+  if (threadIdx.x == 0) *done_ticket(g) = 0u;
+}
+
+template <class T, int N>
+int resident_blocks() {
+  static const int n = [] {
+    int per_sm = 0;
+    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_overlap_kernel<T, N>, kThreads, 0));
+    return per_sm * cuda::sm_count();
+  }();
+  return n;
+}
+
+template <class T, int N>
+bool launch(const ReduceArgs& a, cudaStream_t stream) {
+  const int cap = resident_blocks<T, N>();
+  const int sms = cuda::sm_count();
+  // The partials are most of the work (K / R rows read per partial): they get every resident slot
+  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per SM (EPX_COMBINE_SUM_BLOCKS; they mostly
+  // wait, then stream R partials per token).
+  static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
+  const int sum = std::min(sum_blocks, cap - 1);
+  const int reduce = std::min(per_sm * sms, cap - sum);
+  if (std::getenv("EPX_DEBUG")) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
+  if (reduce < 1) return false;
+  combine_overlap_kernel<T, N><<<reduce + sum, kThreads, 0, stream>>>(a, reduce);
+  EPX_CHECK_LAUNCH("combine_overlap_kernel");
+  return true;
+}
+
+}  // namespace
+
+bool overlapped_combine_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EPX_COMBINE_KERNEL");
+    return v == nullptr || std::strcmp(v, "phased") != 0;
+  }();
+  return on;
+}
+
+bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, cudaStream_t stream) {
+  if (a.g.R > kMaxR || a.K > kMaxK || a.send_tokens == nullptr) return false;
+  switch (dtype) {
+    case DType::kF32: return vec ? launch<float, 4>(a, stream) : launch<float, 1>(a, stream);
+    case DType::kBF16: return vec ? launch<__nv_bfloat16, 8>(a, stream) : launch<__nv_bfloat16, 1>(a, stream);
+    case DType::kF16: return vec ? launch<__half, 8>(a, stream) : launch<__half, 1>(a, stream);
+    default: return false;
+  }
+}
+
+}  // namespace epx::comm::ep_device
