@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/gemm/grouped_gemm_cuda.h"
@@ -232,53 +234,98 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
     }
 }
 
-// The FP8 block forward of the expert FFN (x bf16, quantized inside; and x arriving as fp8 with
-// its scales, as an FP8 dispatch delivers it) and the backward after it, against the reference
-// with the same precision: both quantize the same values with the same recipe, so the residue is
-// the FP8 MMA's accumulation and h's requantization of a slightly different a.
-TEST(ExpertMlpGpu, Fp8BlockForwardAndItsBackwardMatchReference) {
+// The FP8 forwards of the expert FFN (the DeepSeek-V3 block recipe on FP8 tensor cores; MXFP8 as
+// bf16 GEMMs on the exact images of its quantized operands) with x bf16, quantized inside, and x
+// arriving as fp8 with its scales, as an FP8 dispatch delivers it; and the backward after each,
+// against the reference with the same precision: both quantize the same values with the same recipe,
+// so the residue is the GEMMs' accumulation and h's requantization of a slightly different a.
+TEST(ExpertMlpGpu, Fp8ForwardsAndTheirBackwardMatchReference) {
   EPX_REQUIRE_GROUPED();
-  for (bool fp8_x : {false, true}) {
-    SCOPED_TRACE(fp8_x ? "x fp8 with scales" : "x bf16");
-    const int64_t H = 256, F = 128, P = 2;
-    const Layout L = make_layout({20, 0, 33, 1, 7}, 16);
-    const int G = static_cast<int>(L.rows.size(0));
-    const int64_t R = L.total;
-    MlpConfig cfg{Activation::kSwiGLU, false, MlpPrecision::kFp8Block};
-    Tensor xb = randn({R, H}, DType::kBF16, 40), w_in = randn({G, H, P, F}, DType::kBF16, 41, 0.06);
-    Tensor w_out = randn({G, F, H}, DType::kBF16, 42, 0.06), d_y = randn({R, H}, DType::kBF16, 43);
-    Tensor xq = Tensor::empty({R, H}, DType::kF8E4M3), xs = Tensor::empty({R, H / 128}, DType::kF32);
-    quantize(QuantRecipe::kFp8Block1x128, xb, xq, xs);
-    auto run = [&](bool gpu, Tensor& y, Tensor& d_x, Tensor& d_w_in, Tensor& d_w_out) {
-      auto put = [&](const Tensor& t) { return gpu ? to_gpu(t) : t.clone(); };
-      auto zeros = [&](Shape sh, DType dt) { return put(Tensor::zeros(sh, dt)); };
-      Tensor x = put(fp8_x ? xq : xb), sc = put(xs), wi = put(w_in), wo = put(w_out), off = put(L.offsets);
-      Tensor rows = put(L.rows), a = zeros({R, P, F}, DType::kBF16), h = zeros({R, F}, DType::kBF16);
-      y = zeros({R, H}, DType::kBF16);
-      MlpTensors t{x, off, rows, {}, wi, {}, wo, {}, a, h, y, fp8_x ? sc.ref() : TensorRef()};
-      expert_mlp_forward(cfg, t);
-      d_x = zeros({R, H}, DType::kBF16);
-      d_w_in = zeros({G, H, P, F}, DType::kF32);
-      d_w_out = zeros({G, F, H}, DType::kF32);
-      const Tensor dys = put(d_y);
-      expert_mlp_backward(cfg, t, MlpGrads{dys, d_x, {}, d_w_in, {}, d_w_out, {}});
-    };
-    Tensor y0, dx0, dwi0, dwo0, y1, dx1, dwi1, dwo1;
-    run(false, y0, dx0, dwi0, dwo0);
-    run(true, y1, dx1, dwi1, dwo1);
-    EXPECT_LT(rel_err(y1, y0), 3e-2) << "y";
-    EXPECT_LT(rel_err(dx1, dx0), 4e-2) << "d_x";
-    EXPECT_LT(rel_err(dwi1, dwi0), 4e-2) << "d_w_in";
-    EXPECT_LT(rel_err(dwo1, dwo0), 3e-2) << "d_w_out";
-    // and it is a different computation from the bf16 path (the operands really are quantized)
-    Tensor yb = to_gpu(Tensor::zeros({R, H}, DType::kBF16)), ab = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16));
-    Tensor hb = to_gpu(Tensor::zeros({R, F}, DType::kBF16)), xg = to_gpu(xb), wig = to_gpu(w_in), wog = to_gpu(w_out);
-    Tensor offg = to_gpu(L.offsets), rowsg = to_gpu(L.rows);
-    expert_mlp_forward(MlpConfig{}, MlpTensors{xg, offg, rowsg, {}, wig, {}, wog, {}, ab, hb, yb, {}});
-    const double vs_bf16 = rel_err(y1, yb);
-    EXPECT_GT(vs_bf16, 1e-3) << "the FP8 forward gave the bf16 result";
-    EXPECT_LT(vs_bf16, 1e-1) << "the FP8 forward is far from the bf16 one";
+  for (MlpPrecision prec : {MlpPrecision::kFp8Block, MlpPrecision::kMxfp8}) {
+    const bool mx = prec == MlpPrecision::kMxfp8;
+    const QuantRecipe x_recipe = mx ? QuantRecipe::kMxfp8Rowwise : QuantRecipe::kFp8Block1x128;
+    for (bool fp8_x : {false, true}) {
+      SCOPED_TRACE(std::string(mlp_precision_name(prec)) + (fp8_x ? ", x fp8 with scales" : ", x bf16"));
+      const int64_t H = 256, F = 128, P = 2;
+      const Layout L = make_layout({20, 0, 33, 1, 7}, 16);
+      const int G = static_cast<int>(L.rows.size(0));
+      const int64_t R = L.total;
+      MlpConfig cfg{Activation::kSwiGLU, false, prec};
+      Tensor xb = randn({R, H}, DType::kBF16, 40), w_in = randn({G, H, P, F}, DType::kBF16, 41, 0.06);
+      Tensor w_out = randn({G, F, H}, DType::kBF16, 42, 0.06), d_y = randn({R, H}, DType::kBF16, 43);
+      Tensor xq = Tensor::empty({R, H}, DType::kF8E4M3);
+      Tensor xs = Tensor::empty(quant_scale_shape(x_recipe, R, H), quant_scale_dtype(x_recipe));
+      QuantOptions qo;
+      qo.mx_rounding = E8M0Rounding::kCeil;  // what the MXFP8 forward quantizes with
+      quantize(x_recipe, xb, xq, xs, qo);
+      auto run = [&](bool gpu, Tensor& y, Tensor& d_x, Tensor& d_w_in, Tensor& d_w_out) {
+        auto put = [&](const Tensor& t) { return gpu ? to_gpu(t) : t.clone(); };
+        auto zeros = [&](Shape sh, DType dt) { return put(Tensor::zeros(sh, dt)); };
+        Tensor x = put(fp8_x ? xq : xb), sc = put(xs), wi = put(w_in), wo = put(w_out), off = put(L.offsets);
+        Tensor rows = put(L.rows), a = zeros({R, P, F}, DType::kBF16), h = zeros({R, F}, DType::kBF16);
+        y = zeros({R, H}, DType::kBF16);
+        MlpTensors t{x, off, rows, {}, wi, {}, wo, {}, a, h, y, fp8_x ? sc.ref() : TensorRef()};
+        expert_mlp_forward(cfg, t);
+        d_x = zeros({R, H}, DType::kBF16);
+        d_w_in = zeros({G, H, P, F}, DType::kF32);
+        d_w_out = zeros({G, F, H}, DType::kF32);
+        const Tensor dys = put(d_y);
+        expert_mlp_backward(cfg, t, MlpGrads{dys, d_x, {}, d_w_in, {}, d_w_out, {}});
+      };
+      Tensor y0, dx0, dwi0, dwo0, y1, dx1, dwi1, dwo1;
+      run(false, y0, dx0, dwi0, dwo0);
+      run(true, y1, dx1, dwi1, dwo1);
+      EXPECT_LT(rel_err(y1, y0), 3e-2) << "y";
+      EXPECT_LT(rel_err(dx1, dx0), 4e-2) << "d_x";
+      EXPECT_LT(rel_err(dwi1, dwi0), 4e-2) << "d_w_in";
+      EXPECT_LT(rel_err(dwo1, dwo0), 3e-2) << "d_w_out";
+      // and it is a different computation from the bf16 path (the operands really are quantized)
+      Tensor yb = to_gpu(Tensor::zeros({R, H}, DType::kBF16)), ab = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16));
+      Tensor hb = to_gpu(Tensor::zeros({R, F}, DType::kBF16)), xg = to_gpu(xb), wig = to_gpu(w_in), wog = to_gpu(w_out);
+      Tensor offg = to_gpu(L.offsets), rowsg = to_gpu(L.rows);
+      expert_mlp_forward(MlpConfig{}, MlpTensors{xg, offg, rowsg, {}, wig, {}, wog, {}, ab, hb, yb, {}});
+      const double vs_bf16 = rel_err(y1, yb);
+      EXPECT_GT(vs_bf16, 1e-3) << "the FP8 forward gave the bf16 result";
+      EXPECT_LT(vs_bf16, 1e-1) << "the FP8 forward is far from the bf16 one";
+    }
   }
+}
+
+// The MXFP8 forward's images are exact: with whole-number-of-blocks shapes its FC1 output equals a
+// bf16 GEMM on the dequantized operands made by hand, bit for bit (the same CUTLASS kernel, the same
+// inputs).
+TEST(ExpertMlpGpu, Mxfp8ForwardIsTheBf16GemmOfTheQuantizedImages) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t H = 128, F = 64, P = 2;
+  const Layout L = make_layout({16, 5, 0, 40}, 8);
+  const int G = static_cast<int>(L.rows.size(0));
+  const int64_t R = L.total;
+  Tensor xb = randn({R, H}, DType::kBF16, 50), w_in = randn({G, H, P, F}, DType::kBF16, 51, 0.06);
+  Tensor w_out = randn({G, F, H}, DType::kBF16, 52, 0.06);
+  QuantOptions qo;
+  qo.mx_rounding = E8M0Rounding::kCeil;
+  // src viewed as [M, N], quantized and dequantized on the CPU reference, in src's shape
+  auto image = [&](const Tensor& src, QuantRecipe r, int64_t M, int64_t N) {
+    const TensorRef v(src.data(), src.dtype(), {M, N}, src.device());
+    Tensor q = Tensor::empty({M, N}, DType::kF8E4M3), sc = Tensor::empty(quant_scale_shape(r, M, N), quant_scale_dtype(r));
+    Tensor out = Tensor::empty(src.shape(), DType::kBF16);
+    quantize(r, v, q, sc, qo);
+    dequantize(r, q, sc, TensorRef(out.data(), DType::kBF16, {M, N}, out.device()));
+    return out;
+  };
+  const Tensor x_img = image(xb, QuantRecipe::kMxfp8Rowwise, R, H);
+  const Tensor wi_img = image(w_in, QuantRecipe::kMxfp8Colwise, G * H, P * F);
+  auto gpu_fc1 = [&](const MlpConfig& cfg, const Tensor& x, const Tensor& wi) {
+    Tensor a = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16)), h = to_gpu(Tensor::zeros({R, F}, DType::kBF16));
+    Tensor y = to_gpu(Tensor::zeros({R, H}, DType::kBF16));
+    Tensor xg = to_gpu(x), wig = to_gpu(wi), wog = to_gpu(w_out), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+    expert_mlp_forward(cfg, MlpTensors{xg, off, rows, {}, wig, {}, wog, {}, a, h, y, {}});
+    return a.to(Device::cpu());
+  };
+  const Tensor a_mx = gpu_fc1(MlpConfig{Activation::kSwiGLU, false, MlpPrecision::kMxfp8}, xb, w_in);
+  const Tensor a_img = gpu_fc1(MlpConfig{}, x_img, wi_img);
+  ASSERT_EQ(a_mx.numel(), a_img.numel());
+  EXPECT_EQ(std::memcmp(a_mx.data(), a_img.data(), a_mx.numel() * dtype_size(DType::kBF16)), 0);
 }
 
 // The whole layer on one GPU against the same layer on the CPU reference (bf16 both): outputs,
@@ -351,6 +398,11 @@ TEST(MoELayerGpu, OneGpuMatchesReference) {
 TEST(MoELayerGpu, OneGpuFp8ForwardMatchesReference) {
   EPX_REQUIRE_GROUPED();
   check_one_gpu_layer(MlpPrecision::kFp8Block, 128, 128, 1.5);
+}
+
+TEST(MoELayerGpu, OneGpuMxfp8ForwardMatchesReference) {
+  EPX_REQUIRE_GROUPED();
+  check_one_gpu_layer(MlpPrecision::kMxfp8, 128, 128, 1.5);
 }
 
 // MoEConfig::fp8_weight_cache: the kept FP8 weights give the per-call result bit for bit; after a

@@ -28,15 +28,17 @@ TEST(MoELayerMultiProcess, MatchesReference) {
   }
 }
 
-// The FP8 block forward across ranks: tokens quantized at the source, dispatched as fp8 with their
-// scales, FP8 expert GEMMs, and the backward from the dequantized rows.
+// The FP8 forwards across ranks (DeepSeek-V3 blocks, MXFP8): tokens quantized at the source,
+// dispatched as fp8 with their scales, FP8 expert GEMMs, and the backward from the dequantized rows.
 TEST(MoELayerMultiProcess, Fp8ForwardMatchesReference) {
   EPX_REQUIRE_LAYER_LAUNCH();
-  for (const char* preset : {"deepseek-v3", "mixtral"}) {
-    const tools::LayerCheck c = tools::check_layer_against_reference(find_preset(preset), 7, MlpPrecision::kFp8Block);
-    EXPECT_TRUE(c.ok) << preset << ": rel. error out " << c.out.rel << ", d_x " << c.d_x.rel << ", d_w_in "
-                      << c.w_in.rel << ", d_gate " << c.gate.rel << ", routing agreement " << c.routing_agreement;
-  }
+  for (MlpPrecision prec : {MlpPrecision::kFp8Block, MlpPrecision::kMxfp8})
+    for (const char* preset : {"deepseek-v3", "mixtral"}) {
+      const tools::LayerCheck c = tools::check_layer_against_reference(find_preset(preset), 7, prec);
+      EXPECT_TRUE(c.ok) << preset << ", " << mlp_precision_name(prec) << ": rel. error out " << c.out.rel << ", d_x "
+                        << c.d_x.rel << ", d_w_in " << c.w_in.rel << ", d_gate " << c.gate.rel
+                        << ", routing agreement " << c.routing_agreement;
+    }
 }
 
 TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <mutex>
@@ -25,6 +26,7 @@
 #include "cuda/gemm/expert_mlp_cuda.h"
 #include "cuda/gemm/fp8_operands.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
+#include "cuda/quant/quant.h"
 #include "epx/error.h"
 #include "epx/quant.h"
 
@@ -317,12 +319,79 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   detail::phase_mark(stream, "fc2");
 }
 
-void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
-  const char* fn = "epx::expert_mlp_forward";
+// The bf16 forward on the given operands: x [R, H], w_in [G, H, P*F], w_out [G, F, H] (the tensors'
+// own, or their quantized images); fc2_input gives what FC2 reads once h is written (h, or its image).
+static void bf16_forward(const MlpConfig& c, const MlpTensors& t, const void* x, const void* w_in, const void* w_out,
+                         const std::function<const void*()>& fc2_input, Stream stream) {
   const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3);
   const int G = static_cast<int>(t.rows.size(0));
-  require_status(!t.b_in.defined() && c.precision != MlpPrecision::kMxfp8, Status::kNotSupported, fn,
-                 "expert biases and the MXFP8 precision run on the CPU reference only for now");
+  const int32_t* off = t.offsets.ptr<int32_t>();
+  const int32_t* rows = t.rows.ptr<int32_t>();
+  grouped_forward_bf16({x, H, 0}, {w_in, P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows, G, R, stream);
+  detail::phase_mark(stream, "fc1");
+  act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
+      static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
+      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
+      static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
+  EPX_CHECK_LAUNCH("act_forward_kernel");
+  detail::phase_mark(stream, "act");
+  grouped_forward_bf16({fc2_input(), F, 0}, {w_out, H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream);
+  detail::phase_mark(stream, "fc2");
+}
+
+namespace {
+
+// Device memory from the stream-ordered pool, given back in stream order when it goes out of scope
+// (after every reader has been queued on the stream): no host sync, capturable.
+struct StreamTemp {
+  void* p = nullptr;
+  cudaStream_t s;
+  StreamTemp(size_t bytes, cudaStream_t stream) : s(stream) {
+    if (bytes > 0) EPX_CUDA_CHECK(cudaMallocAsync(&p, bytes, s));
+  }
+  ~StreamTemp() {
+    if (p) cudaFreeAsync(p, s);
+  }
+  StreamTemp(const StreamTemp&) = delete;
+  StreamTemp& operator=(const StreamTemp&) = delete;
+};
+
+}  // namespace
+
+// The MXFP8 forward (semantics in epx/grouped_gemm.h, oracle ref::expert_mlp_forward). Hopper has no
+// MX tensor cores, so each GEMM runs in bf16 on the exact images of its quantized operands (e4m3
+// codes times power-of-two scales fit bf16): x rowwise (or x's own fp8 codes and e8m0 scales), w_in
+// and w_out colwise (32-row blocks down the contraction dim, never straddling two experts since H
+// and F are multiples of 32), h rowwise before FC2, scales rounded up as the reference does. The
+// images live in stream-ordered temporaries for the call: this path has bf16's speed plus the
+// quantization passes, and twice the expert weights' memory while it runs.
+static void mxfp8_forward(const MlpConfig& c, const MlpTensors& t, Stream stream) {
+  const int64_t R = t.x.size(0), H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
+  const int64_t G = t.rows.size(0);
+  const Device dev = t.x.device();
+  const cudaStream_t s = to_cuda(stream);
+  const size_t bf = sizeof(__nv_bfloat16);
+  StreamTemp x_img(static_cast<size_t>(R * H) * bf, s), wi_img(static_cast<size_t>(G * H * PF) * bf, s);
+  StreamTemp wo_img(static_cast<size_t>(G * F * H) * bf, s), h_img(static_cast<size_t>(R * F) * bf, s);
+  auto bf16_ref = [&](void* p, Shape sh) { return TensorRef(p, DType::kBF16, std::move(sh), dev); };
+  const E8M0Rounding up = E8M0Rounding::kCeil;
+  if (t.x.dtype() == DType::kF8E4M3) epx::dequantize(QuantRecipe::kMxfp8Rowwise, t.x, t.x_scales, bf16_ref(x_img.p, {R, H}), stream);
+  else quantized_image(QuantRecipe::kMxfp8Rowwise, t.x, up, bf16_ref(x_img.p, {R, H}), stream);
+  quantized_image(QuantRecipe::kMxfp8Colwise, bf16_ref(t.w_in.data(), {G * H, PF}), up, bf16_ref(wi_img.p, {G * H, PF}),
+                  stream);
+  quantized_image(QuantRecipe::kMxfp8Colwise, bf16_ref(t.w_out.data(), {G * F, H}), up, bf16_ref(wo_img.p, {G * F, H}),
+                  stream);
+  detail::phase_mark(stream, "mxfp8_operands");
+  bf16_forward(c, t, x_img.p, wi_img.p, wo_img.p, [&]() -> const void* {
+    quantized_image(QuantRecipe::kMxfp8Rowwise, bf16_ref(t.h.data(), {R, F}), up, bf16_ref(h_img.p, {R, F}), stream);
+    return h_img.p;
+  }, stream);
+}
+
+void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
+  const char* fn = "epx::expert_mlp_forward";
+  const int64_t H = t.x.size(1), F = t.w_in.size(3);
+  require_status(!t.b_in.defined(), Status::kNotSupported, fn, "expert biases run on the CPU reference only for now");
   if (c.precision == MlpPrecision::kFp8Block) {
     require_grouped_gemm(fn);
     require_status(t.a.dtype() == DType::kBF16, Status::kNotSupported, fn, "a has dtype ", dtype_name(t.a.dtype()),
@@ -331,20 +400,17 @@ void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream str
                    " must be multiples of 128 for the GPU FP8 block path (whole scale blocks)");
     return fp8_block_forward(c, t, stream);
   }
+  if (c.precision == MlpPrecision::kMxfp8) {
+    require_grouped_gemm(fn);
+    require_status(t.a.dtype() == DType::kBF16 && t.w_in.dtype() == DType::kBF16, Status::kNotSupported, fn,
+                   "a has dtype ", dtype_name(t.a.dtype()), " and w_in ", dtype_name(t.w_in.dtype()),
+                   "; the GPU MXFP8 path takes bf16 data (x bf16 or fp8_e4m3 with e8m0 scales; a, h, y, weights bf16)");
+    require_status(H % 32 == 0 && F % 32 == 0, Status::kNotSupported, fn, "hidden ", H, " and ffn ", F,
+                   " must be multiples of 32 for the GPU MXFP8 path (whole scale blocks)");
+    return mxfp8_forward(c, t, stream);
+  }
   require_bf16_path(fn, t.x, H, F);
-  const int32_t* off = t.offsets.ptr<int32_t>();
-  const int32_t* rows = t.rows.ptr<int32_t>();
-  grouped_forward_bf16({t.x.data(), H, 0}, {t.w_in.data(), P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows,
-                       G, R, stream);
-  detail::phase_mark(stream, "fc1");
-  act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
-      static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
-      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
-      static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
-  EPX_CHECK_LAUNCH("act_forward_kernel");
-  detail::phase_mark(stream, "act");
-  grouped_forward_bf16({t.h.data(), F, 0}, {t.w_out.data(), H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream);
-  detail::phase_mark(stream, "fc2");
+  bf16_forward(c, t, t.x.data(), t.w_in.data(), t.w_out.data(), [&]() -> const void* { return t.h.data(); }, stream);
 }
 
 void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, Stream stream) {
@@ -356,7 +422,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   if (x.dtype() == DType::kF8E4M3) {
     const QuantRecipe rr = c.precision == MlpPrecision::kMxfp8 ? QuantRecipe::kMxfp8Rowwise : QuantRecipe::kFp8Block1x128;
     x = TensorRef(scratch<__nv_bfloat16>(11, static_cast<size_t>(R * H)), DType::kBF16, {R, H}, t.x.device());
-    dequantize(rr, t.x, t.x_scales, x, stream);
+    epx::dequantize(rr, t.x, t.x_scales, x, stream);
   }
   require_bf16_path(fn, x, H, F);
   // The backward never reads quantized operands (saved a and h, the bf16 weights and x), so an

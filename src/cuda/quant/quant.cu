@@ -250,4 +250,10 @@ void with_quantized(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_roun
   use(q, sc);
 }
 
+void quantized_image(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_rounding, const TensorRef& image,
+                     Stream stream) {
+  with_quantized(recipe, x, mx_rounding, stream,
+                 [&](const TensorRef& q, const TensorRef& scales) { dequantize(recipe, q, scales, image, stream, QuantTuning{}); });
+}
+
 }  // namespace epx::cuda

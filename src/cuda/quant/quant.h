@@ -44,4 +44,10 @@ void dequantize(QuantRecipe recipe, const TensorRef& q, const TensorRef& scales,
 void with_quantized(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_rounding, Stream stream,
                     const std::function<void(const TensorRef& q, const TensorRef& scales)>& use);
 
+/// What a GEMM with this recipe's quantization sees of x [M, N]: x quantized (through a stream-ordered
+/// temporary, as with_quantized) and dequantized into `image` (x's shape; bf16, fp16 or fp32). With
+/// e4m3 codes and power-of-two (MX) scales the image is exact in bf16.
+void quantized_image(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_rounding, const TensorRef& image,
+                     Stream stream);
+
 }  // namespace epx::cuda
