@@ -106,7 +106,7 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::vector<std::string> rest(argv.begin() + (argv.empty() ? 0 : 1), argv.end());
   if (what != "layer") {
     std::printf("usage: epx bench layer [--preset deepseek-v3,mixtral] [--tokens T] [--iters N] [--ranks N]\n"
-                "                       [--precision high|fp8_block] [--fp8-weight-cache 0|1]\n"
+                "                       [--precision high|fp8_block|mxfp8] [--fp8-weight-cache 0|1]\n"
                 "  the MoE layer forward and forward+backward on every local GPU (one process per GPU), with\n"
                 "  the tensor-core floor of its expert GEMMs and the GPU memory in use; JSON lines. fp8_block\n"
                 "  runs the expert GEMMs' forward in FP8 (DeepSeek-V3 block scales; backward in bf16); with the\n"
@@ -125,9 +125,11 @@ int run_bench(const std::vector<std::string>& argv) {
   const int iters = static_cast<int>(args.integer("iters", 10));
   require(iters >= 1 && tokens >= 0, "epx bench layer", "--iters must be >= 1 and --tokens >= 0");
   const std::string prec = args.str("precision", "high");
-  require(prec == "high" || prec == "fp8_block", "epx bench layer", "--precision is \"", prec,
-          "\", expected high or fp8_block");
-  const MlpPrecision precision = prec == "high" ? MlpPrecision::kHigh : MlpPrecision::kFp8Block;
+  require(prec == "high" || prec == "fp8_block" || prec == "mxfp8", "epx bench layer", "--precision is \"", prec,
+          "\", expected high, fp8_block or mxfp8");
+  const MlpPrecision precision = prec == "high"        ? MlpPrecision::kHigh
+                                 : prec == "fp8_block" ? MlpPrecision::kFp8Block
+                                                       : MlpPrecision::kMxfp8;
   const bool fp8_weight_cache = args.integer("fp8-weight-cache", 0) != 0;
   return run_on_local_gpus("bench", static_cast<int>(args.integer("ranks", gpus)), gpus, argv,
                            [&] { return bench_layer_rank(presets, tokens, iters, precision, fp8_weight_cache); });

@@ -178,11 +178,12 @@ def test_example_training_step_lowers_the_loss_on_the_cpu_reference():
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
-def test_fp8_block_forward_on_the_cpu_reference():
-    """precision "fp8_block": the forward's GEMMs see quantized operands (close to, not equal to,
-    the high-precision layer); the gradients are the high-precision backward's."""
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_fp8_forward_on_the_cpu_reference(precision):
+    """precision "fp8_block" / "mxfp8": the forward's GEMMs see quantized operands (close to, not
+    equal to, the high-precision layer); the gradients are the high-precision backward's."""
     hi = epj.LayerSpec.from_preset("tiny")
-    lo = epj.LayerSpec.from_preset("tiny", precision="fp8_block")
+    lo = epj.LayerSpec.from_preset("tiny", precision=precision)
     g = cpu_group(hi.num_experts, hi.hidden, 16, hi.topk, dtype=jnp.float32)
     params = jax.device_put(epj.init_params(jax.random.key(3), hi, g.local_experts, jnp.float32, std=0.5), CPU)
     x = jax.device_put(jax.random.normal(jax.random.key(4), (16, hi.hidden), jnp.float32), CPU)

@@ -262,6 +262,18 @@ def test_moe_fp8_block_forward_on_the_cpu_reference():
         ept.refresh_fp8_weights_after_steps(opt, tiny_moe(torch.float32, precision="fp8_block"))
 
 
+def test_moe_mxfp8_forward_on_the_cpu_reference():
+    """precision="mxfp8": the forward's expert GEMMs see MX-quantized operands (close to, not equal
+    to, the high-precision result, and not the fp8_block result); gradients flow."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    high, mx, blk = (tiny_moe(torch.float32, precision=p) for p in ("high", "mxfp8", "fp8_block"))
+    a, b, c = high(x), mx(x), blk(x)
+    assert 1e-4 < float((a - b).norm() / a.norm()) < 0.1
+    assert float((b - c).norm() / c.norm()) > 1e-6
+    b.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mx.parameters())
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 def gpu_moe(microbatches=1, tokens=256):
     if not gpu_layers_built():

@@ -24,7 +24,7 @@ class LayerSpec:
     score: str
     aux_loss_coeff: float
     z_loss_coeff: float
-    precision: str = "high"  # the expert GEMMs' forward: "high" or "fp8_block" (see grouped_mlp)
+    precision: str = "high"  # the expert GEMMs' forward: "high", "fp8_block" or "mxfp8" (see grouped_mlp)
 
     @staticmethod
     def from_preset(preset="deepseek-v3", **overrides):
@@ -41,8 +41,8 @@ class LayerSpec:
         ffn = int(overrides.pop("ffn_hidden", c.ffn_hidden))
         shared = int(overrides.pop("shared_ffn_hidden", c.shared_ffn_hidden))
         precision = str(overrides.pop("precision", "high"))
-        if precision not in ("high", "fp8_block"):
-            raise ValueError(f"epx.jax.LayerSpec: precision is '{precision}', expected 'high' or 'fp8_block'")
+        if precision not in ("high", "fp8_block", "mxfp8"):
+            raise ValueError(f"epx.jax.LayerSpec: precision is '{precision}', expected 'high', 'fp8_block' or 'mxfp8'")
         if overrides:
             raise ValueError(f"epx.jax: unknown option(s) {', '.join(overrides)}")
         # The FFI router selects and weighs; the losses are computed here in JAX (differentiable).
