@@ -174,11 +174,13 @@ if has layer; then
   : >"$OUT/layer.jsonl"
   timeout 400 "$BUILD/bin/epx" bench layer ${LAYER_ARGS:-} >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
     summary "epx bench layer failed rc=$?"
-  # The FP8 block forward of the expert GEMMs (LAYER_FP8_PRESETS=" " leaves it out).
+  # The FP8 forwards of the expert GEMMs: the block recipe with and without the weight cache, and
+  # MXFP8 (LAYER_FP8_PRESETS=" " leaves them out).
   for preset in ${LAYER_FP8_PRESETS:-deepseek-v3 mixtral}; do
-    for cache in 0 1; do
-      timeout 200 "$BUILD/bin/epx" bench layer --preset "$preset" --precision fp8_block --fp8-weight-cache $cache \
-        >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" || summary "epx bench layer fp8_block ($preset, cache $cache) failed rc=$?"
+    for variant in "fp8_block 0" "fp8_block 1" "mxfp8 0"; do
+      read -r prec cache <<<"$variant"
+      timeout 200 "$BUILD/bin/epx" bench layer --preset "$preset" --precision "$prec" --fp8-weight-cache "$cache" \
+        >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" || summary "epx bench layer $prec ($preset, cache $cache) failed rc=$?"
     done
   done
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
