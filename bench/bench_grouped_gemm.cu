@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <random>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include "bench/bench_util.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
+#include "epx/error.h"
 #include "epx/grouped_gemm.h"
 #include "epx/quant.h"
 #include "moe/elementwise.h"
@@ -76,16 +78,31 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   const double tw = bench::time_us([&](int) { quantize_grouped_weights_fp8(w, w_q, w_s); }, 3, 1, 1);
   const double tq = bench::time_us([&](int) { quantize(QuantRecipe::kFp8Block1x128, x, x_q, x_s); }, 10, 5, 2);
-  const double t = bench::time_us([&](int) { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y); },
-                                  10, 5, 2);
-  JsonLine()
-      .add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
-      .add("case", name).add("groups", G).add("rows", static_cast<long long>(L.total))
-      .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
-      .add("tflops", flops / t * 1e-6).add("bf16_time_us", bf16_us).add("speedup_vs_bf16", bf16_us / t)
-      .add("target_speedup", 1.6).add("quantize_x_us", tq).add("quantize_weights_us", tw)
-      .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6)
-      .print();
+  // Both schedules of the FP8 kernel (EPX_FP8_GEMM_KERNEL is read at every call); the caller's
+  // setting is restored.
+  const char* before = std::getenv("EPX_FP8_GEMM_KERNEL");
+  const std::string saved = before ? before : "";
+  for (const char* schedule : {"cooperative", "pingpong"}) {
+    setenv("EPX_FP8_GEMM_KERNEL", schedule, 1);
+    double t = 0;
+    try {
+      t = bench::time_us([&](int) { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y); }, 10, 5, 2);
+    } catch (const Error& e) {  // one schedule failing must not hide the other lines
+      JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("schedule", schedule)
+          .add("case", name).add("error", e.what()).print();
+      continue;
+    }
+    JsonLine()
+        .add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
+        .add("schedule", schedule).add("case", name).add("groups", G).add("rows", static_cast<long long>(L.total))
+        .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
+        .add("tflops", flops / t * 1e-6).add("bf16_time_us", bf16_us).add("speedup_vs_bf16", bf16_us / t)
+        .add("target_speedup", 1.6).add("quantize_x_us", tq).add("quantize_weights_us", tw)
+        .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6)
+        .print();
+  }
+  if (before) setenv("EPX_FP8_GEMM_KERNEL", saved.c_str(), 1);
+  else unsetenv("EPX_FP8_GEMM_KERNEL");
 }
 
 void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -164,17 +165,23 @@ TEST(GroupedGemmGpu, Fp8BlockwiseForwardMatchesReference) {
     quantize_grouped_weights_fp8(to_gpu(w), gw_q, gw_s);
     EXPECT_TRUE(testing::bit_equal(gw_q, w_q)) << "transposed weight codes";
     EXPECT_TRUE(testing::bit_equal(gw_s, w_s)) << "weight block scales";
-    Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
-    grouped_gemm_forward_fp8(to_gpu(x_q), to_gpu(x_s), gw_q, gw_s, to_gpu(L.offsets), to_gpu(L.rows), y);
-    Tensor yh = to_host(y);
-    for (int g = 0; g < G; ++g)  // row by row, so the small rows beside the scaled-up ones are checked too
-      for (int64_t r = L.offsets.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; ++r)
-        ASSERT_LT(rel_err(yh.ref().slice_rows(r, r + 1), y_ref.ref().slice_rows(r, r + 1)), 1e-2)
-            << "group " << g << " row " << r;
-    for (int64_t i = L.total * N; i < R * N; ++i) ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
-    for (int g = 0; g < G; ++g)
-      for (int64_t r = L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g + 1]; ++r)
-        ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
+    for (const char* schedule : {"cooperative", "pingpong"}) {  // EPX_FP8_GEMM_KERNEL is read at every call
+      SCOPED_TRACE(schedule);
+      setenv("EPX_FP8_GEMM_KERNEL", schedule, 1);
+      Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
+      grouped_gemm_forward_fp8(to_gpu(x_q), to_gpu(x_s), gw_q, gw_s, to_gpu(L.offsets), to_gpu(L.rows), y);
+      unsetenv("EPX_FP8_GEMM_KERNEL");
+      Tensor yh = to_host(y);
+      for (int g = 0; g < G; ++g)  // row by row, so the small rows beside the scaled-up ones are checked too
+        for (int64_t r = L.offsets.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; ++r)
+          ASSERT_LT(rel_err(yh.ref().slice_rows(r, r + 1), y_ref.ref().slice_rows(r, r + 1)), 1e-2)
+              << "group " << g << " row " << r;
+      for (int64_t i = L.total * N; i < R * N; ++i) ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
+      for (int g = 0; g < G; ++g)
+        for (int64_t r = L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g + 1];
+             ++r)
+          ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
+    }
   }
 }
 

@@ -55,9 +55,20 @@ void grouped_wgrad_bf16_out_cluster(GroupedOperand a, GroupedOperand d, void* ou
 /// bt: fp8, per group [N, K] (K contiguous: Hopper's FP8 MMA reads both operands K-major), group
 /// stride N * K; b_scales: fp32, per group [K/128, N/128] row-major (quantize()'s 128x128 scales of
 /// w_g [K, N]), group stride K/128 * N/128. K and N multiples of 128. Padding rows are not written.
+/// Runs the schedule fp8_gemm_schedule() names.
 void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const void* bt, const float* b_scales,
                                    void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                    const int32_t* rows, int groups, Stream stream);
+/// The same on ping-pong 64x128 tiles (one per consumer warp group; scale promotion and epilogue
+/// under the other group's MMAs) instead of cooperative 128x128 ones.
+void grouped_forward_fp8_blockwise_pingpong(const void* a, const float* a_scales, const void* bt,
+                                            const float* b_scales, void* out, int64_t ld_out, int64_t K, int64_t N,
+                                            const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+
+/// The FP8 forward's schedule: EPX_FP8_GEMM_KERNEL=cooperative (default) | pingpong, read at every
+/// call (tests and benchmarks switch it).
+enum class Fp8GemmSchedule { kCooperative, kPingpong };
+Fp8GemmSchedule fp8_gemm_schedule();
 
 /// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=cooperative|pingpong|cluster
 /// (read once; cluster = cooperative 2x1 clusters for bf16 gradients, ping-pong for fp32), else

@@ -46,5 +46,10 @@ void grouped_forward_fp8_blockwise(const void*, const float*, const void*, const
                                    int64_t, const int32_t*, const int32_t*, int, Stream) {
   unavailable();
 }
+void grouped_forward_fp8_blockwise_pingpong(const void*, const float*, const void*, const float*, void*, int64_t,
+                                            int64_t, int64_t, const int32_t*, const int32_t*, int, Stream) {
+  unavailable();
+}
+Fp8GemmSchedule fp8_gemm_schedule() { return Fp8GemmSchedule::kCooperative; }
 
 }  // namespace epx::cuda

@@ -1,125 +1,30 @@
-// FP8 e4m3 forward with DeepSeek-V3's block scales (activations 1x128, weights 128x128, fp32 scales
-// applied to the fp32 accumulator once per 128-deep K block), bf16 out: CUTLASS 3's pointer-array
-// blockwise-scaled kernel (TMA + WGMMA, cooperative, persistent). Hopper's FP8 WGMMA reads both
-// operands K-major, hence the transposed weights, and the kernel reads each group's activation
-// scales M-major from a block of its own (see grouped_gemm_cuda.h for both layouts).
-#include "cuda/gemm/cutlass/grouped_sm90.cuh"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
+// The cooperative FP8 block-scaled grouped forward, and the choice between the schedules
+// (grouped_fp8_sm90.cuh).
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cuda/gemm/cutlass/grouped_fp8_sm90.cuh"
+#include "epx/error.h"
 
 namespace epx::cuda {
-namespace {
 
-using namespace cute;
-
-struct Fp8Kernel {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using ElementA = cutlass::float_e4m3_t;
-  using ElementB = cutlass::float_e4m3_t;
-  using ElementOut = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;     // x rows, K contiguous
-  using LayoutB = cutlass::layout::ColumnMajor;  // w^T rows, K contiguous
-  using LayoutC = cutlass::layout::RowMajor;
-  static constexpr int kAlignAB = 16;
-  static constexpr int kAlignC = 8;
-  using TileShape = cute::Shape<_128, _128, _128>;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, LayoutC*, kAlignC, ElementOut,
-      LayoutC*, kAlignC, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
-      ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  using StrideA = typename GemmKernel::InternalStrideA;
-  using StrideB = typename GemmKernel::InternalStrideB;
-  using StrideC = typename GemmKernel::InternalStrideC;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-};
-
-struct Fp8Arrays {
-  Fp8Kernel::Shape3* shapes;
-  const Fp8Kernel::ElementA** a;
-  const Fp8Kernel::ElementB** b;
-  const Fp8Kernel::ElementOut** c;
-  Fp8Kernel::ElementOut** d;
-  const float** sfa;
-  const float** sfb;
-  Fp8Kernel::StrideA* sa;
-  Fp8Kernel::StrideB* sb;
-  Fp8Kernel::StrideC* sc;
-  Fp8Kernel::LayoutSFA* lsfa;
-  Fp8Kernel::LayoutSFB* lsfb;
-};
-
-__global__ void fp8_setup_kernel(Fp8Arrays arr, const uint8_t* a, const float* a_scales, const uint8_t* bt,
-                                 const float* b_scales, cutlass::bfloat16_t* out, int64_t ld_out, int64_t K, int64_t N,
-                                 const int32_t* offsets, const int32_t* rows, int groups) {
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= groups) return;
-  const int m = rows[g];
-  const int64_t off = offsets[g];
-  const int64_t kb = K / 128, nb = N / 128;
-  arr.shapes[g] = Fp8Kernel::Shape3(m, static_cast<int>(N), static_cast<int>(K));
-  arr.a[g] = reinterpret_cast<const Fp8Kernel::ElementA*>(a + off * K);
-  arr.b[g] = reinterpret_cast<const Fp8Kernel::ElementB*>(bt + g * N * K);
-  arr.c[g] = out + off * ld_out;
-  arr.d[g] = out + off * ld_out;
-  arr.sfa[g] = a_scales + off * kb;
-  arr.sfb[g] = b_scales + g * kb * nb;
-  arr.sa[g] = grouped::with_ld<Fp8Kernel::StrideA>(K);
-  arr.sb[g] = grouped::with_ld<Fp8Kernel::StrideB>(K);
-  arr.sc[g] = grouped::with_ld<Fp8Kernel::StrideC>(ld_out);
-  arr.lsfa[g] = Fp8Kernel::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, static_cast<int>(N), static_cast<int>(K), 1));
-  arr.lsfb[g] = Fp8Kernel::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, static_cast<int>(N), static_cast<int>(K), 1));
+Fp8GemmSchedule fp8_gemm_schedule() {
+  const char* v = std::getenv("EPX_FP8_GEMM_KERNEL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "cooperative") == 0) return Fp8GemmSchedule::kCooperative;
+  if (std::strcmp(v, "pingpong") == 0) return Fp8GemmSchedule::kPingpong;
+  throw Error(Status::kInvalidArgument,
+              detail::concat("epx: EPX_FP8_GEMM_KERNEL is \"", v, "\", expected cooperative or pingpong"));
 }
-
-constexpr int kFp8CacheId = 100;  // apart from the bf16 kernels' cache ids
-
-}  // namespace
 
 void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const void* bt, const float* b_scales,
                                    void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                    const int32_t* rows, int groups, Stream stream) {
-  using K_ = Fp8Kernel;
-  if (groups == 0) return;
-  cudaStream_t s = to_cuda(stream);
-  grouped::Cache& c = grouped::cache_for(kFp8CacheId);
-  Fp8Arrays arr;
-  grouped::carve_arrays(c, groups, [&](grouped::ArrayCarver& k) {
-    arr.shapes = k.next<K_::Shape3>();
-    arr.a = k.next<const K_::ElementA*>();
-    arr.b = k.next<const K_::ElementB*>();
-    arr.c = k.next<const K_::ElementOut*>();
-    arr.d = k.next<K_::ElementOut*>();
-    arr.sfa = k.next<const float*>();
-    arr.sfb = k.next<const float*>();
-    arr.sa = k.next<K_::StrideA>();
-    arr.sb = k.next<K_::StrideB>();
-    arr.sc = k.next<K_::StrideC>();
-    arr.lsfa = k.next<K_::LayoutSFA>();
-    arr.lsfb = k.next<K_::LayoutSFB>();
-  });
-  fp8_setup_kernel<<<(groups + 127) / 128, 128, 0, s>>>(
-      arr, static_cast<const uint8_t*>(a), a_scales, static_cast<const uint8_t*>(bt), b_scales,
-      static_cast<cutlass::bfloat16_t*>(out), ld_out, K, N, offsets, rows, groups);
-  EPX_CHECK_LAUNCH("grouped fp8 setup_kernel");
-
-  typename K_::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                    {groups, arr.shapes, nullptr},
-                                    {arr.a, arr.sa, arr.b, arr.sb, arr.sfa, arr.lsfa, arr.sfb, arr.lsfb},
-                                    {{}, arr.c, arr.sc, arr.d, arr.sc},
-                                    grouped::hardware_info()};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  grouped::launch<K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N, "both must be multiples of 128");
+  if (fp8_gemm_schedule() == Fp8GemmSchedule::kPingpong)
+    return grouped_forward_fp8_blockwise_pingpong(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups,
+                                                  stream);
+  grouped_fp8::forward<grouped_fp8::Cooperative>(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups,
+                                                 stream);
 }
 
 }  // namespace epx::cuda
