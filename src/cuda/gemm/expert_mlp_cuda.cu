@@ -499,7 +499,7 @@ void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, c
   const int32_t* nrows = rows.ptr<int32_t>();
   // The kernel reads each group's scales M-major from a block of its own.
   float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128));
-  group_activation_scales(x_scales.ptr<float>(), grouped, K / 128, off, nrows, G, stream);
+  group_activation_scales(x_scales.ptr<float>(), grouped, R, K / 128, off, nrows, G, stream);
   grouped_forward_fp8_blockwise(x_q.data(), grouped, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off, nrows,
                                 G, stream);
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, off, nrows, G,

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/gemm/fp8_operands.h"
@@ -53,13 +55,25 @@ __global__ void __launch_bounds__(kThreads) quantize_transpose_kernel(const T* _
 
 // One CTA per group: scales [rows, kb] (row-major, rows at offsets[g]) -> the group's M-major
 // block at offsets[g] * kb, written in order (coalesced), read strided.
-__global__ void group_scales_kernel(const float* __restrict__ rowwise, float* __restrict__ grouped, int64_t kb,
-                                    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows) {
-  const int g = blockIdx.x;
-  const int64_t m = rows[g], off = offsets[g];
-  for (int64_t i = threadIdx.x; i < m * kb; i += blockDim.x) {
-    const int64_t r = i % m, j = i / m;
-    grouped[off * kb + i] = rowwise[(off + r) * kb + j];
+// One thread per (k block j, row r), r fastest, so a warp's writes into a group's M-major block are
+// contiguous; the group comes from a binary search of the row in offsets. (One block per group was
+// latency-bound on a skewed layout: its largest group alone took most of a millisecond.)
+__global__ void group_scales_kernel(const float* __restrict__ rowwise, float* __restrict__ grouped, int64_t total_rows,
+                                    int64_t kb, const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows,
+                                    int groups) {
+  const int64_t n = total_rows * kb;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = i / total_rows, r = i % total_rows;
+    int lo = 0, hi = groups;  // the last group g with offsets[g] <= r
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (offsets[mid] <= r) lo = mid;
+      else hi = mid;
+    }
+    const int64_t off = offsets[lo], m = rows[lo];
+    if (r < off || r - off >= m) continue;  // a padding row, or past the layout
+    grouped[off * kb + j * m + (r - off)] = rowwise[r * kb + j];
   }
 }
 
@@ -85,10 +99,13 @@ void quantize_transpose_weights_fp8(const void* w, DType dtype, int64_t G, int64
   EPX_CHECK_LAUNCH("quantize_transpose_kernel");
 }
 
-void group_activation_scales(const float* rowwise, float* grouped, int64_t k_blocks, const int32_t* offsets,
-                             const int32_t* rows, int groups, Stream stream) {
-  if (groups == 0 || k_blocks == 0) return;
-  group_scales_kernel<<<groups, kThreads, 0, to_cuda(stream)>>>(rowwise, grouped, k_blocks, offsets, rows);
+void group_activation_scales(const float* rowwise, float* grouped, int64_t total_rows, int64_t k_blocks,
+                             const int32_t* offsets, const int32_t* rows, int groups, Stream stream) {
+  if (groups == 0 || k_blocks == 0 || total_rows == 0) return;
+  const int64_t n = total_rows * k_blocks;
+  const int grid = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+  group_scales_kernel<<<grid, kThreads, 0, to_cuda(stream)>>>(rowwise, grouped, total_rows, k_blocks, offsets, rows,
+                                                              groups);
   EPX_CHECK_LAUNCH("group_scales_kernel");
 }
 

@@ -14,9 +14,10 @@ namespace epx::cuda {
 void quantize_transpose_weights_fp8(const void* w, DType dtype, int64_t G, int64_t K, int64_t N, void* w_q,
                                     float* w_scales, Stream stream);
 
-/// quantize()'s 1x128 scales [rows, k_blocks] -> one M-major block per group: group g's real row
-/// r, block j at grouped[offsets[g] * k_blocks + j * rows[g] + (r - offsets[g])].
-void group_activation_scales(const float* rowwise, float* grouped, int64_t k_blocks, const int32_t* offsets,
-                             const int32_t* rows, int groups, Stream stream);
+/// quantize()'s 1x128 scales [total_rows, k_blocks] -> one M-major block per group: group g's real
+/// row r, block j at grouped[offsets[g] * k_blocks + j * rows[g] + (r - offsets[g])]. Rows outside
+/// every group's real rows (padding, past offsets[groups]) are not read.
+void group_activation_scales(const float* rowwise, float* grouped, int64_t total_rows, int64_t k_blocks,
+                             const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 
 }  // namespace epx::cuda
