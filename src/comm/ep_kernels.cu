@@ -5,7 +5,10 @@
 // creation) and the Link is a device barrier with timeout (signal.cuh), so every op is  barrier
 // (peers finished reading what they got last time) -> writers -> barrier (the rows are visible) ->
 // readers. Staged: the mailboxes are a local send buffer and the Link is ncclSend/ncclRecv.
-// Each phase is its own kernel, so a kernel boundary orders the phases of all blocks. The window
+// Each phase is its own kernel, so a kernel boundary orders the phases of all blocks. On zero-copy,
+// dispatch and combine (and dispatch_backward) instead run their two phases in one launch after
+// the first barrier, readers waiting on per-chunk arrival counters (dispatch_overlap.cu,
+// combine_overlap.cu), with the same per-element code (ep_device.cuh). The window
 // layout and the arithmetic are exactly the host reference's (src/ref/host_group.cpp): same
 // regions, same slots, same fp32 orders, so the GPU results equal the reference bit for bit where
 // it promises, on either transport.

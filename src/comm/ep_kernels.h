@@ -9,8 +9,9 @@
 //   staged     the mailbox for peer p is region [p] of a local send buffer, the receive area is a
 //              local receive buffer, and the delivery is ncclSend/ncclRecv of every region between
 //              ncclGroupStart/End (rows for myself are written straight into my receive area).
-// So the same kernels, with the same per-element arithmetic, run on both: the results are
-// bit-identical between transports.
+// So the same per-element code runs on both: the results are bit-identical between transports.
+// (Zero-copy dispatch and combine fuse the write and read phases into one launch, the readers
+// waiting on per-chunk arrival counters in the window's signal area instead of a second barrier.)
 #pragma once
 
 #include <cuda_runtime_api.h>

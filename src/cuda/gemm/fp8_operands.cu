@@ -53,8 +53,6 @@ __global__ void __launch_bounds__(kThreads) quantize_transpose_kernel(const T* _
   if (threadIdx.x == 0) w_scales[(g * (K / kBlock) + kb) * (N / kBlock) + nb] = quant::fp8_block_scale(amax);
 }
 
-// One CTA per group: scales [rows, kb] (row-major, rows at offsets[g]) -> the group's M-major
-// block at offsets[g] * kb, written in order (coalesced), read strided.
 // One thread per (k block j, row r), r fastest, so a warp's writes into a group's M-major block are
 // contiguous; the group comes from a binary search of the row in offsets. (One block per group was
 // latency-bound on a skewed layout: its largest group alone took most of a millisecond.)
