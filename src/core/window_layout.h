@@ -1,6 +1,7 @@
 // Layout of one rank's communication window, the same for the host reference and the GPU
 // backends. Sources write into region [source rank] of the destination's window, so no two ranks
-// ever write the same bytes and no atomics cross the link.
+// ever write the same bytes; the only atomics that cross the link are the increments of the
+// arrival counters in the signal area after the layout (GPU zero-copy dispatch and combine).
 //
 //   header [R][kHeaderInts] int32   per source: pairs for each local expert, token rows, top-k
 //   meta   [R][max_tokens][max_topk] RowMeta  per received token and slot: local expert, position, weight
