@@ -95,13 +95,16 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     const double t_disp = t_pd - t_prep, row = 2.0 * H;
     // Bytes this rank's dispatch sends to other ranks: the rows it needs, or on the staged
     // transport the fixed worst case (a whole region per peer, rows and metadata).
-    const double wire = g.transport() == Transport::kStaged
-                            ? (R - 1) * (static_cast<double>(T) * ((2 * H + 15) / 16 * 16) + T * K * 16.0)
-                            : remote_rows * row;
+    // (exact staged sizes: only the slots each peer needs, rows and metadata)
+    const double slot_bytes = (2 * H + 15) / 16 * 16 + K * 16.0;
+    const double wire = g.transport() != Transport::kStaged ? remote_rows * row
+                        : g.config().staged_exact_sizes ? remote_rows * slot_bytes
+                                                        : (R - 1) * static_cast<double>(T) * slot_bytes;
     lines[g.rank()]
         .add("impl", "epx")
         .add("op", "dispatch+combine")
         .add("transport", transport_name(g.transport()))
+        .add("staged_exact_sizes", g.config().staged_exact_sizes)
         .add("rank", g.rank())
         .add("ranks", R)
         .add("tokens", T)

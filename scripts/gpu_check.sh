@@ -16,8 +16,9 @@
 # EPX_TRANSPORT=staged (multigpu_staged.log), then staged with NCCL's P2P and shared-memory
 # transports disabled, so the exchange goes through NCCL's socket transport over loopback
 # (multigpu_staged_net.log).
-# MP_RANKS (default 2) sets the ranks of the multi-process suite; MP_RUNS="plain staged net" picks
-# which of its three runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
+# (multigpu_staged_exact.log: the staged transport again with EPX_STAGED_SIZES=exact.)
+# MP_RANKS (default 2) sets the ranks of the multi-process suite; MP_RUNS="plain staged net exact"
+# picks which of its four runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
 # dispatch/combine at those token counts only (H=7168, E=256), on every local GPU.
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
@@ -135,11 +136,13 @@ if has mptests; then
     grep -E "Failure|error" -A6 "$OUT/$log" | head -40
     summary "multi-process tests (${MP_RANKS:-2} ranks, $label): rc=$rc $(grep -E '\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$log" | sed 's/^\[rank [0-9]*\] //' | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
   }
-  runs=" ${MP_RUNS:-plain staged net} "
+  runs=" ${MP_RUNS:-plain staged net exact} "
   [[ $runs == *" plain "* ]] && run_mp "zero-copy and staged" multigpu.log
   [[ $runs == *" staged "* ]] && run_mp "EPX_TRANSPORT=staged" multigpu_staged.log EPX_TRANSPORT=staged
   [[ $runs == *" net "* ]] && run_mp "EPX_TRANSPORT=staged over NCCL sockets on loopback" multigpu_staged_net.log \
     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo EPX_TRANSPORT=staged
+  [[ $runs == *" exact "* ]] && run_mp "EPX_TRANSPORT=staged EPX_STAGED_SIZES=exact" multigpu_staged_exact.log \
+    EPX_TRANSPORT=staged EPX_STAGED_SIZES=exact
 fi
 
 if has epbench; then
@@ -152,6 +155,9 @@ if has epbench; then
       shapes+=("--tokens $t --hidden 7168 --experts 256")
       timeout 300 "$BUILD/bin/bench_ep" --tokens "$t" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
         summary "bench_ep --tokens $t failed rc=$?"
+      # the staged transport moving only the slots each peer needs
+      EPX_STAGED_SIZES=exact timeout 120 "$BUILD/bin/bench_ep" --tokens "$t" --transport staged >>"$OUT/bench.jsonl" \
+        2>>"$OUT/bench.err" || summary "bench_ep --tokens $t (staged, exact sizes) failed rc=$?"
     done
   else
     timeout 480 "$BUILD/bin/bench_ep" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"

@@ -46,7 +46,8 @@ enum class Transport : uint8_t {
               // rank-major, allocated at creation): works wherever NCCL does (other nodes, PCIe,
               // network). No host sync: counts stay on the device, so every exchange moves the fixed
               // worst case, max_tokens_per_rank rows (each only as wide as the op's rows) plus their
-              // metadata to every peer. Size max_tokens_per_rank tightly for this transport. A peer
+              // metadata to every peer. Size max_tokens_per_rank tightly for this transport, or let
+              // prepare bring the counts to the host (GroupConfig::staged_exact_sizes). A peer
               // that never joins is reported by check() after the timeout (NCCL cannot name it).
   kHost,      // the CPU reference: ranks are threads, windows are shared host buffers
   kLocal,     // one GPU, no communication: dispatch and combine are local permutes
@@ -64,6 +65,13 @@ struct GroupConfig {
   int num_sms = 0;                 // SMs for communication kernels; 0 = auto
   double timeout_s = 0;            // device/host waits; 0 = EPX_TIMEOUT_S or 10 s
   Transport transport = Transport::kAuto;  // for NCCL groups; see Transport
+  /// Staged transport only: prepare copies the per-peer token counts to the host (one stream
+  /// synchronisation per prepare), and every exchange then moves only the slots each peer needs
+  /// instead of the fixed worst case (what pays off with many ranks, where a peer needs a fraction
+  /// of max_tokens_per_rank). Such a prepare cannot be captured in a CUDA graph (it is an error), and
+  /// the handle's exchanges are sized at that prepare. Also on with EPX_STAGED_SIZES=exact
+  /// (fixed = off; other values are errors).
+  bool staged_exact_sizes = false;
 
   void validate(const char* fn, int num_ranks) const;
 };

@@ -21,6 +21,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "comm/ep_device.cuh"
 #include "comm/signal.cuh"
@@ -354,6 +355,9 @@ __global__ void sum_chunks_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t 
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// Staged exact sizes: the host copy of a per-peer count, or null (whole regions).
+const int32_t* counts_or_null(const std::vector<int32_t>& v) { return v.empty() ? nullptr : v.data(); }
+
 int grid_for(int64_t items, int cap_blocks) {
   const int64_t want = (items + kWarps - 1) / kWarps;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap_blocks)));
@@ -471,6 +475,8 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   d.op_code = kOpDispatch;
   d.row_stride = sa.stride;
   d.meta = true;
+  d.send_slots = counts_or_null(h.host_send_tokens);
+  d.recv_slots = counts_or_null(h.host_recv_tokens);
   link.deliver(g, d, s);
   const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
   if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
@@ -518,6 +524,9 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     d.op_code = op_code;
     d.row_stride = a.stride;
     d.meta = a.row_scalars != nullptr || a.d_topk_weights != nullptr;  // row-weight gradients travel back
+    // The partials go back: as many to each peer as rows came from it.
+    d.send_slots = counts_or_null(h.host_recv_tokens);
+    d.recv_slots = counts_or_null(h.host_send_tokens);
     link.deliver(g, d, s);
     const int sum_grid = grid_for(a.T, cuda::sm_count() * 8);
     if (vec) sum_partials_kernel<T, N><<<sum_grid, kThreads, 0, s>>>(a);
@@ -570,6 +579,8 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
     Delivery d;
     d.op_code = kOpCombineBwd;
     d.row_stride = sa.stride;
+    d.send_slots = counts_or_null(h.host_send_tokens);
+    d.recv_slots = counts_or_null(h.host_recv_tokens);
     link.deliver(g, d, s);
     const int grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
     auto launch = [&](auto kmax) {

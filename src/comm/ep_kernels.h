@@ -63,6 +63,10 @@ struct Delivery {
   int64_t row_stride = 0;  // bytes per slot of the rows regions; 0 = no rows travel
   bool meta = false;       // the meta regions travel (dispatch, dispatch_backward)
   bool header = false;     // the headers travel (prepare)
+  // Staged with exact sizes: slots per peer this rank sends / receives (host arrays [R]); null:
+  // whole regions (max_tokens slots).
+  const int32_t* send_slots = nullptr;
+  const int32_t* recv_slots = nullptr;
   // all_reduce_sum on the staged transport: these bytes of the caller's buffer go to the start of
   // region [me] of every peer's rows area (instead of the mailboxes).
   const void* chunk = nullptr;

@@ -77,22 +77,27 @@ class StagedLink final : public Link {
   /// The sends and receives of one delivery, without the group brackets (the creation warm-up
   /// puts those of several ranks in one group).
   void post(const Delivery& d, cudaStream_t stream) const {
-    const size_t meta_bytes = static_cast<size_t>(L_.max_tokens) * L_.max_topk * sizeof(RowMeta);
+    const size_t meta_per_slot = static_cast<size_t>(L_.max_topk) * sizeof(RowMeta);
     const size_t header_bytes = L_.header_ints * sizeof(int32_t);
-    const size_t row_bytes = static_cast<size_t>(L_.max_tokens) * static_cast<size_t>(d.row_stride);
+    // Slots that travel to / from a peer: what it needs (exact sizes) or the whole region. Both
+    // ends compute the same count: my send_tokens[to] is the peer's recv_tokens[me].
+    auto slots = [&](const int32_t* counts, int peer) {
+      return static_cast<size_t>(counts ? counts[peer] : L_.max_tokens);
+    };
     for (int i = 1; i < size_; ++i) {
       const int to = (rank_ + i) % size_, from = (rank_ - i + size_) % size_;
+      const size_t out_slots = slots(d.send_slots, to), in_slots = slots(d.recv_slots, from);
       if (d.header) {
         send(send_ + L_.header_offset(to), header_bytes, to, stream);
         recv(recv_ + L_.header_offset(from), header_bytes, from, stream);
       }
       if (d.row_stride > 0) {
-        send(send_ + L_.row_offset(to, 0), row_bytes, to, stream);
-        recv(recv_ + L_.row_offset(from, 0), row_bytes, from, stream);
+        send(send_ + L_.row_offset(to, 0), out_slots * static_cast<size_t>(d.row_stride), to, stream);
+        recv(recv_ + L_.row_offset(from, 0), in_slots * static_cast<size_t>(d.row_stride), from, stream);
       }
       if (d.meta) {
-        send(send_ + L_.meta_offset(to, 0), meta_bytes, to, stream);
-        recv(recv_ + L_.meta_offset(from, 0), meta_bytes, from, stream);
+        send(send_ + L_.meta_offset(to, 0), out_slots * meta_per_slot, to, stream);
+        recv(recv_ + L_.meta_offset(from, 0), in_slots * meta_per_slot, from, stream);
       }
       if (d.chunk_bytes > 0) {
         send(d.chunk, d.chunk_bytes, to, stream);
@@ -137,6 +142,7 @@ struct RankResources {
   void* recv_buf = nullptr;
   std::unique_ptr<StagedLink> staged;
   bool stuck = false;  // staged: check() timed out on an exchange that has not completed since
+  bool staged_exact = false;  // staged: exchanges sized by the counts prepare copies to the host
   Tensor peer_window, peer_inbox, mailboxes, control;  // device arrays [R] ptr, [R] ptr, [3R] ptr, epoch + status
 
   size_t registered_bytes() const { return transport == Transport::kZeroCopy ? window_bytes : 2 * staging_bytes; }
@@ -250,6 +256,7 @@ struct World {
 struct Choice {
   Transport transport = Transport::kZeroCopy;
   std::string error;
+  bool exact_sizes = false;  // staged: exchanges sized by the counts (GroupConfig::staged_exact_sizes)
 };
 
 Choice choose(Transport requested, const RankResources& r) {
@@ -281,30 +288,30 @@ Choice choose(Transport requested, const RankResources& r) {
   return c;
 }
 
-// The per-rank votes of agree_on_transport, {ranks that failed, chose zero-copy, chose staged},
-// summed over every rank of the group with one small ncclAllReduce.
+// The per-rank votes of agree_on_transport, {ranks that failed, chose zero-copy, chose staged,
+// asked for exact staged sizes}, summed over every rank of the group with one small ncclAllReduce.
 std::vector<int32_t> allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices) {
   const size_t n = ranks.size();
   std::vector<Tensor> votes(n);
   std::vector<cudaStream_t> streams(n, nullptr);
   for (size_t i = 0; i < n; ++i) {
     DeviceGuard g(ranks[i]->device);
-    int32_t v[3] = {choices[i].error.empty() ? 0 : 1, 0, 0};
+    int32_t v[4] = {choices[i].error.empty() ? 0 : 1, 0, 0, choices[i].exact_sizes ? 1 : 0};
     if (choices[i].error.empty()) v[choices[i].transport == Transport::kZeroCopy ? 1 : 2] = 1;
-    votes[i] = Tensor::empty({3}, DType::kI32, Device::cuda(ranks[i]->device));
+    votes[i] = Tensor::empty({4}, DType::kI32, Device::cuda(ranks[i]->device));
     EPX_CUDA_CHECK(cudaMemcpy(votes[i].data(), v, sizeof v, cudaMemcpyHostToDevice));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
   }
   nccl_check(ncclGroupStart(), "ncclGroupStart");
   for (size_t i = 0; i < n; ++i)
-    nccl_check(ncclAllReduce(votes[i].data(), votes[i].data(), 3, ncclInt32, ncclSum, ranks[i]->comm, streams[i]),
+    nccl_check(ncclAllReduce(votes[i].data(), votes[i].data(), 4, ncclInt32, ncclSum, ranks[i]->comm, streams[i]),
                "ncclAllReduce (transport agreement)");
   nccl_check(ncclGroupEnd(), "ncclGroupEnd (transport agreement)");
-  std::vector<int32_t> total(3);
+  std::vector<int32_t> total(4);
   for (size_t i = 0; i < n; ++i) {
     DeviceGuard g(ranks[i]->device);
     EPX_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
-    EPX_CUDA_CHECK(cudaMemcpy(total.data(), votes[i].data(), sizeof(int32_t) * 3, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaMemcpy(total.data(), votes[i].data(), sizeof(int32_t) * 4, cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaStreamDestroy(streams[i]));
   }
   return total;
@@ -317,8 +324,11 @@ std::vector<int32_t> allreduce_votes(std::vector<RankResources*>& ranks, const s
 // over the group (one small collective, at creation only).
 void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices, const char* fn) {
   const int R = ranks[0]->size;
-  std::vector<int32_t> total(3, 0);
-  for (const Choice& c : choices) ++total[!c.error.empty() ? 0 : c.transport == Transport::kZeroCopy ? 1 : 2];
+  std::vector<int32_t> total(4, 0);
+  for (const Choice& c : choices) {
+    ++total[!c.error.empty() ? 0 : c.transport == Transport::kZeroCopy ? 1 : 2];
+    total[3] += c.exact_sizes ? 1 : 0;
+  }
   if (static_cast<int>(ranks.size()) < R) total = allreduce_votes(ranks, choices);
   for (const Choice& c : choices)
     if (!c.error.empty()) throw Error(Status::kNotSupported, detail::concat(fn, ": ", c.error));
@@ -327,7 +337,15 @@ void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Ch
   require(total[1] == 0 || total[2] == 0, fn, "the ranks disagree on the transport: ", total[1],
           " chose zero-copy and ", total[2], " chose staged (GroupConfig::transport and EPX_TRANSPORT must agree on "
           "every rank)");
-  for (RankResources* r : ranks) r->transport = choices[0].transport;
+  // Exact sizes change how many bytes each exchange moves: a mix would leave sends and receives of
+  // different sizes.
+  require(choices[0].transport != Transport::kStaged || total[3] == 0 || total[3] == R, fn, total[3], " of the group's ", R,
+          " ranks asked for exact staged sizes and the others did not (GroupConfig::staged_exact_sizes and "
+          "EPX_STAGED_SIZES must agree on every rank)");
+  for (RankResources* r : ranks) {
+    r->transport = choices[0].transport;
+    r->staged_exact = r->transport == Transport::kStaged && total[3] == R;
+  }
 }
 
 // The staged transport's first exchange, at creation and synchronous: NCCL connects peers lazily
@@ -358,7 +376,11 @@ void warm_up_staged(std::vector<RankResources*>& ranks) {
 // Sets up the ranks this process drives, all at once (collective calls grouped across them).
 void set_up(std::vector<RankResources*>& ranks, Transport requested, const GroupConfig& config, const char* fn) {
   std::vector<Choice> choices;
-  for (RankResources* r : ranks) choices.push_back(choose(requested, *r));
+  const bool exact = resolved_staged_exact_sizes(config, fn);
+  for (RankResources* r : ranks) {
+    choices.push_back(choose(requested, *r));
+    choices.back().exact_sizes = exact;
+  }
   agree_on_transport(ranks, choices, fn);
   for (RankResources* r : ranks) r->allocate(config);
   if (ranks[0]->transport == Transport::kZeroCopy) {
@@ -380,6 +402,8 @@ class NcclGroup final : public GroupState {
     local_experts = c.num_experts / size;
     device = Device::cuda(r.device);
     transport = r.transport;
+    staged_exact_ = r.staged_exact;
+    config.staged_exact_sizes = staged_exact_;
     recv_capacity_rows = c.recv_capacity_rows > 0 ? c.recv_capacity_rows : worst_case_recv_rows(c, size);
     registered_bytes = r.registered_bytes();
     id = next_group_id();
@@ -418,12 +442,36 @@ class NcclGroup final : public GroupState {
   void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights, const PrepareOptions& options,
                Stream stream) override {
     DeviceGuard g(device.index);
+    if (staged_exact_) require_not_capturing(stream);  // before anything is queued, NCCL's sends above all
     h.storage = pool_->acquire();
     cuda::bind_handle(h, h.storage.get(), config, size, rank, device);
     cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/false, config.align, recv_capacity_rows,
                             dg_.status, stream);
     exchange_counts(dg_, *link_, h, cuda::handle_segment_starts(h), stream);
     note_exchange(stream, kOpPrepare);
+    h.host_send_tokens.clear();
+    h.host_recv_tokens.clear();
+    if (staged_exact_) copy_counts_to_host(h, stream);
+  }
+
+  static void require_not_capturing(Stream stream) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(cuda::to_cuda(stream), &capturing));
+    require(capturing == cudaStreamCaptureStatusNone, "epx::prepare",
+            "the group exchanges exact sizes (GroupConfig::staged_exact_sizes or EPX_STAGED_SIZES=exact), "
+            "which needs the counts on the host: its prepare cannot be captured in a CUDA graph");
+  }
+
+  // Staged exact sizes: the per-peer counts on the host, one synchronisation of the caller's stream.
+  void copy_counts_to_host(HandleState& h, Stream stream) {
+    cudaStream_t s = cuda::to_cuda(stream);
+    h.host_send_tokens.assign(static_cast<size_t>(size), 0);
+    h.host_recv_tokens.assign(static_cast<size_t>(size), 0);
+    EPX_CUDA_CHECK(cudaMemcpyAsync(h.host_send_tokens.data(), h.send_tokens.data(), size * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, s));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(h.host_recv_tokens.data(), h.recv_tokens.data(), size * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, s));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
   }
 
   void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales, const TensorRef& topk_weights,
@@ -540,6 +588,7 @@ class NcclGroup final : public GroupState {
   int index_;
   DeviceGroup dg_;
   Link* link_ = nullptr;
+  bool staged_exact_ = false;
   std::shared_ptr<HandlePool> pool_;
   cudaEvent_t last_exchange_ = nullptr;
   int last_op_ = 0;

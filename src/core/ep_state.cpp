@@ -59,6 +59,19 @@ double resolved_timeout_s(const GroupConfig& c) {
   return 10.0;
 }
 
+bool resolved_staged_exact_sizes(const GroupConfig& c, const char* fn) {
+  // The variable is checked even when the config decides: a typo never goes unnoticed.
+  bool env_exact = false;
+  if (const char* env = std::getenv("EPX_STAGED_SIZES"); env != nullptr && *env != '\0') {
+    const std::string v = env;
+    if (v != "exact" && v != "fixed")
+      throw Error(Status::kInvalidArgument,
+                  detail::concat(fn, ": EPX_STAGED_SIZES is \"", v, "\", expected exact or fixed"));
+    env_exact = v == "exact";
+  }
+  return c.staged_exact_sizes || env_exact;
+}
+
 Transport parse_transport(const char* value, const char* fn) {
   const std::string v = value ? value : "";
   if (v == "auto") return Transport::kAuto;

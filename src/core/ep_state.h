@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "epx/comm.h"
 #include "epx/error.h"
@@ -51,6 +52,9 @@ struct HandleState {
   Tensor routed_experts, pair_pos, token_slot, send_tokens, routed_counts;
   Tensor recv_pairs, recv_tokens, expert_rows, expert_offsets, recv_row;
   Tensor status;
+  /// Staged transport with exact sizes (GroupConfig::staged_exact_sizes): send_tokens and
+  /// recv_tokens copied to the host by prepare; empty otherwise (every exchange moves whole regions).
+  std::vector<int32_t> host_send_tokens, host_recv_tokens;
   /// Backend storage behind the tensors above (a pooled device block), released with the handle,
   /// and the backend's scratch inside it.
   std::shared_ptr<void> storage;
@@ -103,6 +107,9 @@ int64_t worst_case_recv_rows(const GroupConfig& config, int num_ranks);
 
 /// The wait timeout in seconds: config.timeout_s, else EPX_TIMEOUT_S, else 10 s.
 double resolved_timeout_s(const GroupConfig& config);
+/// GroupConfig::staged_exact_sizes, or EPX_STAGED_SIZES (exact / fixed; other values are errors
+/// naming the variable) when the config leaves it off.
+bool resolved_staged_exact_sizes(const GroupConfig& config, const char* fn);
 
 /// The transport an NCCL group is asked for: config.transport when it names one (kZeroCopy,
 /// kStaged), else EPX_TRANSPORT when set (auto | zerocopy | staged), else kAuto. Read at group

@@ -14,23 +14,24 @@
 namespace epx {
 namespace {
 
-// Sets (or unsets, with nullptr) EPX_TRANSPORT for one scope and restores what was there.
-class ScopedTransportEnv {
+// Sets (or unsets, with nullptr) an environment variable for one scope and restores what was there.
+class ScopedEnv {
  public:
-  explicit ScopedTransportEnv(const char* value) {
-    if (const char* old = std::getenv("EPX_TRANSPORT")) {
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
       had_ = true;
       old_ = old;
     }
-    if (value) setenv("EPX_TRANSPORT", value, 1);
-    else unsetenv("EPX_TRANSPORT");
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
   }
-  ~ScopedTransportEnv() {
-    if (had_) setenv("EPX_TRANSPORT", old_.c_str(), 1);
-    else unsetenv("EPX_TRANSPORT");
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
+    else unsetenv(name_.c_str());
   }
 
  private:
+  std::string name_;
   bool had_ = false;
   std::string old_;
 };
@@ -62,43 +63,77 @@ TEST(TransportSelect, ParsesTheDocumentedValues) {
 }
 
 TEST(TransportSelect, BadValueNamesVariableExpectedAndActual) {
-  ScopedTransportEnv env("fast");
+  ScopedEnv env("EPX_TRANSPORT", "fast");
   const std::string msg = error_of(Transport::kAuto);
   EXPECT_NE(msg.find("epx::test: EPX_TRANSPORT is \"fast\", expected one of auto, zerocopy, staged"),
             std::string::npos)
       << msg;
   // Also when the config names the transport: a typo in the environment never goes unnoticed.
   EXPECT_NE(error_of(Transport::kStaged).find("EPX_TRANSPORT is \"fast\""), std::string::npos);
-  ScopedTransportEnv empty("");
+  ScopedEnv empty("EPX_TRANSPORT", "");
   EXPECT_NE(error_of(Transport::kAuto).find("EPX_TRANSPORT is \"\", expected one of auto, zerocopy, staged"),
             std::string::npos);
 }
 
 TEST(TransportSelect, ConfigWinsThenEnvironmentThenAuto) {
   {
-    ScopedTransportEnv env(nullptr);
+    ScopedEnv env("EPX_TRANSPORT", nullptr);
     EXPECT_EQ(requested_transport(config_with(Transport::kAuto), "f"), Transport::kAuto);
     EXPECT_EQ(requested_transport(config_with(Transport::kStaged), "f"), Transport::kStaged);
     EXPECT_EQ(requested_transport(config_with(Transport::kZeroCopy), "f"), Transport::kZeroCopy);
   }
   {
-    ScopedTransportEnv env("staged");
+    ScopedEnv env("EPX_TRANSPORT", "staged");
     EXPECT_EQ(requested_transport(config_with(Transport::kAuto), "f"), Transport::kStaged);
     EXPECT_EQ(requested_transport(config_with(Transport::kZeroCopy), "f"), Transport::kZeroCopy);
   }
   {
-    ScopedTransportEnv env("zerocopy");
+    ScopedEnv env("EPX_TRANSPORT", "zerocopy");
     EXPECT_EQ(requested_transport(config_with(Transport::kAuto), "f"), Transport::kZeroCopy);
     EXPECT_EQ(requested_transport(config_with(Transport::kStaged), "f"), Transport::kStaged);
   }
   {
-    ScopedTransportEnv env("auto");
+    ScopedEnv env("EPX_TRANSPORT", "auto");
     EXPECT_EQ(requested_transport(config_with(Transport::kAuto), "f"), Transport::kAuto);
   }
 }
 
+// Exact staged sizes: the config turns them on; otherwise EPX_STAGED_SIZES (exact / fixed), whose
+// other values are errors naming the variable, the expected values and the actual one.
+TEST(TransportSelect, StagedExactSizesFromConfigThenEnvironment) {
+  GroupConfig on = config_with(Transport::kStaged), off = config_with(Transport::kStaged);
+  on.staged_exact_sizes = true;
+  {
+    ScopedEnv env("EPX_STAGED_SIZES", nullptr);
+    EXPECT_TRUE(resolved_staged_exact_sizes(on, "f"));
+    EXPECT_FALSE(resolved_staged_exact_sizes(off, "f"));
+  }
+  {
+    ScopedEnv env("EPX_STAGED_SIZES", "exact");
+    EXPECT_TRUE(resolved_staged_exact_sizes(off, "f"));
+  }
+  {
+    ScopedEnv env("EPX_STAGED_SIZES", "fixed");
+    EXPECT_FALSE(resolved_staged_exact_sizes(off, "f"));
+    EXPECT_TRUE(resolved_staged_exact_sizes(on, "f")) << "the config's request stands";
+  }
+  {
+    ScopedEnv env("EPX_STAGED_SIZES", "tight");
+    for (const GroupConfig& c : {off, on}) {  // also when the config decides
+      try {
+        resolved_staged_exact_sizes(c, "epx::test");
+        FAIL() << "EPX_STAGED_SIZES=tight accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("epx::test: EPX_STAGED_SIZES is \"tight\", expected exact or fixed"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  }
+}
+
 TEST(TransportSelect, HostAndLocalAreNotNcclTransports) {
-  ScopedTransportEnv env(nullptr);
+  ScopedEnv env("EPX_TRANSPORT", nullptr);
   EXPECT_NE(error_of(Transport::kHost).find("config.transport is host, expected auto, zero-copy or staged"),
             std::string::npos)
       << error_of(Transport::kHost);
@@ -108,7 +143,7 @@ TEST(TransportSelect, HostAndLocalAreNotNcclTransports) {
 // The NCCL group constructors read the variable before anything else (no GPU needed to see it).
 TEST(TransportSelect, GroupCreationRejectsBadEnvironmentFirst) {
   if (!detail::cuda_backend_built()) GTEST_SKIP() << "built without the CUDA backend: no NCCL groups";
-  ScopedTransportEnv env("nvlink");
+  ScopedEnv env("EPX_TRANSPORT", "nvlink");
   try {
     Group::create_all_local(config_with(Transport::kAuto));
     FAIL() << "create_all_local accepted EPX_TRANSPORT=nvlink";

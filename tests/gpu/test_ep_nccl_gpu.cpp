@@ -160,6 +160,8 @@ TEST_P(EpNcclGpu, GraphReplayIsBitIdenticalToEager) {
   c.align = 16;
   c.zipf = 2;
   auto groups = make(c);
+  if (groups[0].config().staged_exact_sizes)  // its prepare syncs to read the counts (refused under capture)
+    GTEST_SKIP() << "exact staged sizes (EPX_STAGED_SIZES=exact): prepare cannot be captured, by design";
   const std::vector<EpOutputs> want = testing::ep_reference(c);
   detail::HostBarrier bar(c.ranks);
   run_ranks(groups, [&](Group& g) { testing::check_graph_replay(g, c, want[g.rank()], 10, [&] { bar.wait(); }); });
@@ -233,6 +235,58 @@ TEST(EpNcclGpuTransports, ZeroCopyAndStagedAreBitIdentical) {
   }
   for (int r = 0; r < c.ranks; ++r)
     testing::expect_identical_ep_outputs(got[1][r], got[0][r], detail::concat("rank ", r, ": staged vs zero-copy"));
+}
+
+// GroupConfig::staged_exact_sizes: each staged exchange moves only the slots a peer needs (counts
+// copied to the host by prepare); the results are the fixed-size exchanges' bit for bit, and a
+// prepare under CUDA graph capture is refused before anything is queued.
+TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
+  EPX_REQUIRE_GPUS(2);
+  EpCase c;
+  c.ranks = gpus();
+  c.E = 8 * c.ranks;
+  c.H = 256;
+  c.align = 16;
+  c.zipf = 2;
+  c.max_tokens = 200;
+  std::vector<std::vector<EpOutputs>> got(2, std::vector<EpOutputs>(c.ranks));
+  for (int t = 0; t < 2; ++t) {
+    GroupConfig cfg = c.group_config();
+    cfg.transport = Transport::kStaged;
+    cfg.staged_exact_sizes = t == 1;
+    auto groups = Group::create_all_local(cfg);
+    EXPECT_EQ(groups[0].config().staged_exact_sizes, t == 1);
+    detail::HostBarrier bar(c.ranks);
+    run_ranks(groups, [&](Group& g) { got[t][g.rank()] = testing::ep_run(g, c, [&] { bar.wait(); }); });
+  }
+  for (int r = 0; r < c.ranks; ++r)
+    testing::expect_identical_ep_outputs(got[1][r], got[0][r], detail::concat("rank ", r, ": exact vs fixed sizes"));
+
+  GroupConfig cfg = c.group_config();
+  cfg.transport = Transport::kStaged;
+  cfg.staged_exact_sizes = true;
+  auto groups = Group::create_all_local(cfg);
+  std::vector<std::string> msgs(c.ranks);
+  run_ranks(groups, [&](Group& g) {
+    const testing::EpInputs in = testing::ep_inputs(c, g.rank(), g.recv_capacity_rows());
+    const Tensor idx = in.idx.to(g.device());
+    cudaStream_t s = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    try {
+      Handle h = prepare(g, idx, {}, {}, Stream{s});
+    } catch (const Error& e) {
+      msgs[g.rank()] = e.what();
+    }
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(s, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+    Handle h = prepare(g, idx, {});  // the group still works outside a capture
+    g.check();
+  });
+  for (int r = 0; r < c.ranks; ++r)
+    EXPECT_NE(msgs[r].find("cannot be captured in a CUDA graph"), std::string::npos) << "rank " << r << ": " << msgs[r];
 }
 
 // EPX_TRANSPORT decides for GroupConfig::transport = kAuto (and only then); without it, auto picks

@@ -158,6 +158,8 @@ TEST_P(EpMultiProcess, GraphReplayIsBitIdenticalToEager) {
   c.align = 16;
   c.zipf = 2;
   Group& g = group(c);
+  if (g.config().staged_exact_sizes)  // its prepare syncs to read the counts (refused under capture)
+    GTEST_SKIP() << "exact staged sizes (EPX_STAGED_SIZES=exact): prepare cannot be captured, by design";
   const auto want = testing::ep_reference(c);
   testing::check_graph_replay(g, c, want[g.rank()], 10, no_sync);
 }
