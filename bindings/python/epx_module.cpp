@@ -94,7 +94,8 @@ void bind_configs(nb::module_& m) {
       .def_rw("recv_capacity_rows", &GroupConfig::recv_capacity_rows)
       .def_rw("num_sms", &GroupConfig::num_sms)
       .def_rw("timeout_s", &GroupConfig::timeout_s)
-      .def_rw("transport", &GroupConfig::transport);
+      .def_rw("transport", &GroupConfig::transport)
+      .def_rw("staged_exact_sizes", &GroupConfig::staged_exact_sizes);
   nb::class_<RouterConfig>(m, "RouterConfig")
       .def(nb::init<>())
       .def_rw("num_experts", &RouterConfig::num_experts)

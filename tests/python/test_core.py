@@ -95,3 +95,13 @@ def test_errors_are_python_exceptions_with_epx_messages():
     gc = epx.GroupConfig()
     with pytest.raises(ValueError, match="num_experts is 0"):
         _C.Group.create_simulated(1, gc)
+
+
+def test_group_config_keywords_reach_the_config():
+    from epx import _config
+    c = _config.group_config(8, 16, 4, max_topk=2, transport="staged", staged_exact_sizes=True, num_sms=24)
+    assert (c.num_experts, c.hidden, c.max_tokens_per_rank, c.max_topk, c.num_sms) == (8, 16, 4, 2, 24)
+    assert c.transport == _C.Transport.staged and c.staged_exact_sizes
+    assert not _config.group_config(8, 16, 4).staged_exact_sizes
+    with pytest.raises(ValueError, match="transport is 'fast'"):
+        _config.group_config(8, 16, 4, transport="fast")

@@ -6,8 +6,12 @@ TRANSPORTS = {"auto": _C.Transport.auto, "zerocopy": _C.Transport.zerocopy, "sta
 
 
 def group_config(num_experts, hidden, max_tokens_per_rank, *, max_topk=16, dtype="bf16", align=128,
-                 recv_capacity_rows=0, num_sms=0, timeout_s=0.0, transport="auto", who="epx.Group"):
-    """dtype: the epx name of the widest payload dispatch will carry ("bf16", "fp32", ...)."""
+                 recv_capacity_rows=0, num_sms=0, timeout_s=0.0, transport="auto", staged_exact_sizes=False,
+                 who="epx.Group"):
+    """dtype: the epx name of the widest payload dispatch will carry ("bf16", "fp32", ...).
+    staged_exact_sizes: on the staged transport, prepare brings the per-peer counts to the host (one
+    stream sync) so every exchange moves only what each peer needs; such a prepare cannot be
+    captured in a CUDA graph."""
     c = _C.GroupConfig()
     c.num_experts = int(num_experts)
     c.hidden = int(hidden)
@@ -21,6 +25,7 @@ def group_config(num_experts, hidden, max_tokens_per_rank, *, max_topk=16, dtype
     if transport not in TRANSPORTS:
         raise ValueError(f"{who}: transport is '{transport}', expected one of {', '.join(TRANSPORTS)}")
     c.transport = TRANSPORTS[transport]
+    c.staged_exact_sizes = bool(staged_exact_sizes)
     return c
 
 

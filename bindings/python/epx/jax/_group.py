@@ -28,7 +28,8 @@ def _dtype_name(dtype):
 class Group:
     """Keyword arguments of every maker: num_experts, hidden, max_tokens_per_rank (required),
     max_topk, dtype (widest payload, a JAX dtype), align, recv_capacity_rows, num_sms, timeout_s,
-    transport ("auto", "zerocopy", "staged"). Collective: every rank makes it at the same time."""
+    transport ("auto", "zerocopy", "staged"), staged_exact_sizes. Collective: every rank makes it at the
+    same time."""
 
     def __init__(self, views, size, keepalive=None):
         self.id = next(_ids)
