@@ -23,31 +23,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "comm/ep_device.cuh"
 #include "cuda/common/cuda_check.h"
 
 namespace epx::comm::ep_device {
 namespace {
-
-// Waits (one lane) until chunk c of the partials rank d sent back holds n arrivals. false: the wait
-// gave up (recorded like a barrier timeout) or the group was already broken.
-__device__ bool wait_chunk(const DeviceGroup& g, int d, int c, uint32_t n) {
-  if (g.status[7] != 0) return false;
-  const uint32_t* cnt = arrival(g, g.rank, d, c);
-  const uint64_t start = global_ns();
-  while (load_acquire_sys(cnt) < n) {
-    if (global_ns() - start > g.timeout_ns) {
-      atomicOr(reinterpret_cast<uint32_t*>(&g.status[d < 32 ? 5 : 6]), 1u << (d & 31));
-      atomicCAS(reinterpret_cast<uint32_t*>(&g.status[7]), 0u, static_cast<uint32_t>(kOpCombine));
-      g.status[8] = static_cast<int32_t>(*g.epoch);
-      return false;
-    }
-    __nanosleep(32);
-  }
-  return true;
-}
 
 template <class T, int N>
 __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __grid_constant__ ReduceArgs a,
@@ -84,7 +65,8 @@ __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __gr
           const int32_t sl = slot_s[warp][d];
           if (sl < 0) continue;
           const int c = sl / kArrivalChunk;
-          ok = wait_chunk(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)));
+          ok = wait_arrivals(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)),
+                             kOpCombine);
         }
       }
       __syncwarp();  // lane 0's acquire before every lane's reads
@@ -107,18 +89,8 @@ __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __gr
 }
 
 template <class T, int N>
-int resident_blocks() {
-  static const int n = [] {
-    int per_sm = 0;
-    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_overlap_kernel<T, N>, kThreads, 0));
-    return per_sm * cuda::sm_count();
-  }();
-  return n;
-}
-
-template <class T, int N>
 bool launch(const ReduceArgs& a, cudaStream_t stream) {
-  const int cap = resident_blocks<T, N>();
+  const int cap = resident_blocks<combine_overlap_kernel<T, N>>();
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
   // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per SM (EPX_COMBINE_SUM_BLOCKS; they mostly
@@ -127,7 +99,8 @@ bool launch(const ReduceArgs& a, cudaStream_t stream) {
   static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
   const int sum = std::min(sum_blocks, cap - 1);
   const int reduce = std::min(per_sm * sms, cap - sum);
-  if (std::getenv("EPX_DEBUG")) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
+  static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
+  if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;
   combine_overlap_kernel<T, N><<<reduce + sum, kThreads, 0, stream>>>(a, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");
@@ -137,10 +110,7 @@ bool launch(const ReduceArgs& a, cudaStream_t stream) {
 }  // namespace
 
 bool overlapped_combine_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EPX_COMBINE_KERNEL");
-    return v == nullptr || std::strcmp(v, "phased") != 0;
-  }();
+  static const bool on = !env_asks_phased("EPX_COMBINE_KERNEL");
   return on;
 }
 

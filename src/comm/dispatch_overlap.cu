@@ -71,22 +71,8 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane) {
 __device__ bool take_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
   __shared__ int ok_s;
   if (threadIdx.x == 0) {
-    uint32_t* cnt = arrival(g, g.rank, s, c);
-    int ok = g.status[7] == 0;
-    if (ok) {
-      const uint64_t start = global_ns();
-      while (load_acquire_sys(cnt) < n) {
-        if (global_ns() - start > g.timeout_ns) {
-          atomicOr(reinterpret_cast<uint32_t*>(&g.status[s < 32 ? 5 : 6]), 1u << (s & 31));
-          atomicCAS(reinterpret_cast<uint32_t*>(&g.status[7]), 0u, static_cast<uint32_t>(kOpDispatch));
-          g.status[8] = static_cast<int32_t>(*g.epoch);
-          ok = 0;
-          break;
-        }
-        __nanosleep(32);
-      }
-    }
-    if (ok) atomicSub(cnt, n);
+    const bool ok = wait_arrivals(g, s, c, n, kOpDispatch);
+    if (ok) atomicSub(arrival(g, g.rank, s, c), n);
     ok_s = ok;
   }
   __syncthreads();
@@ -163,16 +149,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_overlap_kernel(const __grid
   else expand_role<V>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
 }
 
-template <class V>
-int resident_blocks() {
-  static const int n = [] {
-    int per_sm = 0;
-    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_overlap_kernel<V>, kThreads, 0));
-    return per_sm * cuda::sm_count();
-  }();
-  return n;
-}
-
 }  // namespace
 
 int overlap_knob(const char* name, int dflt) {
@@ -181,18 +157,21 @@ int overlap_knob(const char* name, int dflt) {
   return n > 0 ? n : dflt;
 }
 
+bool env_asks_phased(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "phased") == 0;
+}
+
 bool overlapped_dispatch_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EPX_DISPATCH_KERNEL");
-    return v == nullptr || std::strcmp(v, "phased") != 0;
-  }();
+  static const bool on = !env_asks_phased("EPX_DISPATCH_KERNEL");
   return on;
 }
 
 bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStream_t stream) {
   const DeviceGroup& g = sa.g;
   if (g.R > kMaxR || sa.K > kMaxK || ea.K != sa.K) return false;
-  const int cap = vec ? resident_blocks<uint4>() : resident_blocks<uint8_t>();
+  const int cap =
+      vec ? resident_blocks<dispatch_overlap_kernel<uint4>>() : resident_blocks<dispatch_overlap_kernel<uint8_t>>();
   const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, g.send_blocks)));
   // Enough expand blocks for every chunk of the largest batch, at most one per SM
   // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: 1, 2, 3 per SM gave 255,

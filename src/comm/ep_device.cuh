@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
 
 #include "comm/ep_kernels.h"
@@ -48,6 +49,16 @@ __device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
 __device__ __forceinline__ uint32_t* arrival(const DeviceGroup& g, int dst, int src, int c) {
   char* base = dst == g.rank ? reinterpret_cast<char*>(g.my_inbox) : reinterpret_cast<char*>(g.peer_inbox[dst]);
   return reinterpret_cast<uint32_t*>(base + inbox_bytes(g.R)) + static_cast<int64_t>(src) * arrival_chunks(g.max_tokens) + c;
+}
+
+// Waits until this rank's arrival counter of chunk c of source s holds at least n (the group's
+// timeout; a wait that gives up names s in the status words as at a barrier). false: it gave up, or
+// the group was already broken; the chunk must not be read.
+__device__ __forceinline__ bool wait_arrivals(const DeviceGroup& g, int s, int c, uint32_t n, int op_code) {
+  if (g.status[7] != 0) return false;
+  if (wait_for_word(arrival(g, g.rank, s, c), g.timeout_ns, 32, [n](uint32_t v) { return v >= n; })) return true;
+  record_missing_peer(g.status, s, op_code, *g.epoch);
+  return false;
 }
 
 __device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
@@ -377,6 +388,20 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
 
 /// A launch-shape knob of the overlapped kernels from the environment (a positive integer), else `dflt`.
 int overlap_knob(const char* name, int dflt);
+/// Whether the environment variable `name` asks for the phased kernels ("phased").
+bool env_asks_phased(const char* name);
+
+/// Blocks of `Kernel` (kThreads threads, no dynamic shared memory) the GPU holds at once: the most
+/// an overlapped launch may use, since its blocks wait on other ranks' blocks. Computed once.
+template <auto Kernel>
+int resident_blocks() {
+  static const int n = [] {
+    int per_sm = 0;
+    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
+    return per_sm * cuda::sm_count();
+  }();
+  return n;
+}
 
 /// The overlapped zero-copy combine and dispatch_backward (combine_overlap.cu), EPX_COMBINE_KERNEL=phased
 /// turns it off; launched after the before-write barrier, false (nothing launched) as above.

@@ -39,6 +39,26 @@ __device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
   return v;
 }
 
+/// Records in the group's status words that `peer` never arrived at operation op_code (wait number
+/// `at`), which also marks the group broken: later waits return at once, check() names the peer.
+__device__ __forceinline__ void record_missing_peer(int32_t* status, int peer, int op_code, uint32_t at) {
+  atomicOr(reinterpret_cast<uint32_t*>(&status[peer < 32 ? 5 : 6]), 1u << (peer & 31));
+  atomicCAS(reinterpret_cast<uint32_t*>(&status[7]), 0u, static_cast<uint32_t>(op_code));
+  status[8] = static_cast<int32_t>(at);
+}
+
+/// Polls *word (acquire, system scope) until done(value) holds: true, or false once timeout_ns
+/// have passed.
+template <class Done>
+__device__ __forceinline__ bool wait_for_word(const uint32_t* word, uint64_t timeout_ns, unsigned sleep_ns, Done done) {
+  const uint64_t start = global_ns();
+  while (!done(load_acquire_sys(word))) {
+    if (global_ns() - start > timeout_ns) return false;
+    __nanosleep(sleep_ns);
+  }
+  return true;
+}
+
 /// Called by every thread of ONE block; returns when all peers arrived (or the wait gave up).
 __device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code) {
   __shared__ uint32_t next_s;
@@ -52,16 +72,8 @@ __device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code) 
   if (!broken) {
     for (int p = threadIdx.x; p < a.R; p += blockDim.x) {
       if (p == a.rank) continue;
-      const uint64_t start = global_ns();
-      while (static_cast<int32_t>(load_acquire_sys(a.my_inbox + p) - next) < 0) {
-        if (global_ns() - start > a.timeout_ns) {
-          atomicOr(reinterpret_cast<uint32_t*>(&a.status[p < 32 ? 5 : 6]), 1u << (p & 31));
-          atomicCAS(reinterpret_cast<uint32_t*>(&a.status[7]), 0u, static_cast<uint32_t>(op_code));
-          a.status[8] = static_cast<int32_t>(next);
-          break;
-        }
-        __nanosleep(64);
-      }
+      auto arrived = [next](uint32_t v) { return static_cast<int32_t>(v - next) >= 0; };  // wrap-safe
+      if (!wait_for_word(a.my_inbox + p, a.timeout_ns, 64, arrived)) record_missing_peer(a.status, p, op_code, next);
     }
   }
   __syncthreads();
