@@ -23,6 +23,7 @@
 #include "core/device_memory.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
+#include "cuda/common/stream_temp.h"
 #include "cuda/gemm/expert_mlp_cuda.h"
 #include "cuda/gemm/fp8_operands.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
@@ -339,24 +340,6 @@ static void bf16_forward(const MlpConfig& c, const MlpTensors& t, const void* x,
   detail::phase_mark(stream, "fc2");
 }
 
-namespace {
-
-// Device memory from the stream-ordered pool, given back in stream order when it goes out of scope
-// (after every reader has been queued on the stream): no host sync, capturable.
-struct StreamTemp {
-  void* p = nullptr;
-  cudaStream_t s;
-  StreamTemp(size_t bytes, cudaStream_t stream) : s(stream) {
-    if (bytes > 0) EPX_CUDA_CHECK(cudaMallocAsync(&p, bytes, s));
-  }
-  ~StreamTemp() {
-    if (p) cudaFreeAsync(p, s);
-  }
-  StreamTemp(const StreamTemp&) = delete;
-  StreamTemp& operator=(const StreamTemp&) = delete;
-};
-
-}  // namespace
 
 // The MXFP8 forward (semantics in epx/grouped_gemm.h, oracle ref::expert_mlp_forward). Hopper has no
 // MX tensor cores, so each GEMM runs in bf16 on the exact images of its quantized operands (e4m3
@@ -375,16 +358,16 @@ static void mxfp8_forward(const MlpConfig& c, const MlpTensors& t, Stream stream
   StreamTemp wo_img(static_cast<size_t>(G * F * H) * bf, s), h_img(static_cast<size_t>(R * F) * bf, s);
   auto bf16_ref = [&](void* p, Shape sh) { return TensorRef(p, DType::kBF16, std::move(sh), dev); };
   const E8M0Rounding up = E8M0Rounding::kCeil;
-  if (t.x.dtype() == DType::kF8E4M3) epx::dequantize(QuantRecipe::kMxfp8Rowwise, t.x, t.x_scales, bf16_ref(x_img.p, {R, H}), stream);
-  else quantized_image(QuantRecipe::kMxfp8Rowwise, t.x, up, bf16_ref(x_img.p, {R, H}), stream);
-  quantized_image(QuantRecipe::kMxfp8Colwise, bf16_ref(t.w_in.data(), {G * H, PF}), up, bf16_ref(wi_img.p, {G * H, PF}),
+  if (t.x.dtype() == DType::kF8E4M3) epx::dequantize(QuantRecipe::kMxfp8Rowwise, t.x, t.x_scales, bf16_ref(x_img.get(), {R, H}), stream);
+  else quantized_image(QuantRecipe::kMxfp8Rowwise, t.x, up, bf16_ref(x_img.get(), {R, H}), stream);
+  quantized_image(QuantRecipe::kMxfp8Colwise, bf16_ref(t.w_in.data(), {G * H, PF}), up, bf16_ref(wi_img.get(), {G * H, PF}),
                   stream);
-  quantized_image(QuantRecipe::kMxfp8Colwise, bf16_ref(t.w_out.data(), {G * F, H}), up, bf16_ref(wo_img.p, {G * F, H}),
+  quantized_image(QuantRecipe::kMxfp8Colwise, bf16_ref(t.w_out.data(), {G * F, H}), up, bf16_ref(wo_img.get(), {G * F, H}),
                   stream);
   detail::phase_mark(stream, "mxfp8_operands");
-  bf16_forward(c, t, x_img.p, wi_img.p, wo_img.p, [&]() -> const void* {
-    quantized_image(QuantRecipe::kMxfp8Rowwise, bf16_ref(t.h.data(), {R, F}), up, bf16_ref(h_img.p, {R, F}), stream);
-    return h_img.p;
+  bf16_forward(c, t, x_img.get(), wi_img.get(), wo_img.get(), [&]() -> const void* {
+    quantized_image(QuantRecipe::kMxfp8Rowwise, bf16_ref(t.h.data(), {R, F}), up, bf16_ref(h_img.get(), {R, F}), stream);
+    return h_img.get();
   }, stream);
 }
 

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/stream_temp.h"
 #include "cuda/quant/quant_kernels.cuh"
 
 namespace epx::cuda {
@@ -234,16 +235,8 @@ void with_quantized(QuantRecipe recipe, const TensorRef& x, E8M0Rounding mx_roun
   const size_t bytes = s_off + static_cast<size_t>(ss.numel()) * dtype_size(sdt);
   DeviceGuard guard(x.device().index);
   const cudaStream_t s = to_cuda(stream);
-  void* base = nullptr;
-  if (bytes > 0) EPX_CUDA_CHECK(cudaMallocAsync(&base, bytes, s));
-  struct Release {
-    void* p;
-    cudaStream_t s;
-    ~Release() {
-      if (p) cudaFreeAsync(p, s);
-    }
-  } release{base, s};
-  char* b = static_cast<char*>(base);
+  const StreamTemp temp(bytes, s);
+  char* b = static_cast<char*>(temp.get());
   const TensorRef q(b, DType::kF8E4M3, Shape{M, N}, x.device());
   const TensorRef sc(b ? b + s_off : nullptr, sdt, ss, x.device());
   quantize(recipe, x, q, sc, mx_rounding, stream);
