@@ -32,38 +32,30 @@ struct Pingpong {
 };
 
 template <class Schedule>
-struct Fp8Kernel {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+struct Fp8Parts {
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;     // x rows, K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // w^T rows, K contiguous
-  using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16;
-  static constexpr int kAlignC = 8;
   using TileShape = typename Schedule::TileShape;
   using ClusterShape = cute::Shape<_1, _1, _1>;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, LayoutC*, kAlignC, ElementOut,
-      LayoutC*, kAlignC, typename Schedule::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
+  using Epilogue = grouped::PtrArrayEpilogue<TileShape, ClusterShape, ElementOut, typename Schedule::EpilogueSchedule>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  using StrideA = typename GemmKernel::InternalStrideA;
-  using StrideB = typename GemmKernel::InternalStrideB;
-  using StrideC = typename GemmKernel::InternalStrideC;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
+
+template <class Schedule>
+struct Fp8Kernel : Fp8Parts<Schedule>,
+                   grouped::KernelTypes<grouped::GroupShape, typename Fp8Parts<Schedule>::Mainloop,
+                                        typename Fp8Parts<Schedule>::Epilogue> {};
 
 template <class K_>
 struct Fp8Arrays {

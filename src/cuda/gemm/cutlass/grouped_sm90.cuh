@@ -55,26 +55,19 @@ struct CooperativeCluster2x1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <class LayoutA, class LayoutB, class ElementOut, class Schedule = Cooperative>
-struct Kernel {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using ElementA = cutlass::bfloat16_t;
-  using ElementB = cutlass::bfloat16_t;
-  using LayoutC = cutlass::layout::RowMajor;
-  static constexpr int kAlignAB = 8;
-  static constexpr int kAlignC = 16 / sizeof(ElementOut);
-  using TileShape = typename Schedule::TileShape;
-  using ClusterShape = typename Schedule::ClusterShape;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, LayoutC*, kAlignC, ElementOut,
-      LayoutC*, kAlignC, typename Schedule::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB, LayoutB*, kAlignAB,
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Schedule::MainloopSchedule>::CollectiveOp;
+// The pointer-array epilogue of every grouped kernel: D = the fp32 accumulator converted to
+// ElementOut (alpha 1, beta 0), row-major, 16-byte aligned rows.
+template <class TileShape, class ClusterShape, class ElementOut, class EpilogueSchedule>
+using PtrArrayEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementOut, cutlass::layout::RowMajor*,
+    16 / sizeof(ElementOut), ElementOut, cutlass::layout::RowMajor*, 16 / sizeof(ElementOut), EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
+
+// What a launcher needs of a grouped kernel made of this mainloop and epilogue.
+template <class ProblemShape_, class Mainloop, class Epilogue>
+struct KernelTypes {
+  using ProblemShape = ProblemShape_;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
@@ -82,6 +75,28 @@ struct Kernel {
   using StrideC = typename GemmKernel::InternalStrideC;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
+
+using GroupShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+
+// The bf16 grouped kernels' operands and collectives (the launcher's view: Kernel below).
+template <class LayoutA, class LayoutB, class ElementOut, class Schedule>
+struct Bf16Parts {
+  using ElementA = cutlass::bfloat16_t;
+  using ElementB = cutlass::bfloat16_t;
+  static constexpr int kAlignAB = 8;
+  using TileShape = typename Schedule::TileShape;
+  using ClusterShape = typename Schedule::ClusterShape;
+  using Epilogue = PtrArrayEpilogue<TileShape, ClusterShape, ElementOut, typename Schedule::EpilogueSchedule>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB, LayoutB*, kAlignAB,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Schedule::MainloopSchedule>::CollectiveOp;
+};
+
+template <class LayoutA, class LayoutB, class ElementOut, class Schedule = Cooperative,
+          class Parts = Bf16Parts<LayoutA, LayoutB, ElementOut, Schedule>>
+struct Kernel : Parts, KernelTypes<GroupShape, typename Parts::Mainloop, typename Parts::Epilogue> {};
 
 // Sets the one dynamic (int64) mode of a cute stride: the leading dimension.
 template <class S>
