@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -213,6 +214,18 @@ TEST_P(EpNcclGpu, CreatingAndDestroyingKeepsTheCallersDevice) {
 INSTANTIATE_TEST_SUITE_P(Transports, EpNcclGpu, ::testing::Values(Transport::kZeroCopy, Transport::kStaged),
                          transport_param_name);
 
+// testing::ep_run on every rank of a fresh all-local group made with `cfg`: each rank's outputs.
+// created (optional) sees the groups first.
+std::vector<EpOutputs> run_every_rank(const EpCase& c, const GroupConfig& cfg,
+                                      const std::function<void(const std::vector<Group>&)>& created = {}) {
+  auto groups = Group::create_all_local(cfg);
+  if (created) created(groups);
+  std::vector<EpOutputs> got(c.ranks);
+  detail::HostBarrier bar(c.ranks);
+  run_ranks(groups, [&](Group& g) { got[g.rank()] = testing::ep_run(g, c, [&] { bar.wait(); }); });
+  return got;
+}
+
 // The two transports run the same kernels with the same arithmetic: their outputs are equal bit
 // for bit (d_row_weights included, which the reference only matches within a tolerance).
 TEST(EpNcclGpuTransports, ZeroCopyAndStagedAreBitIdentical) {
@@ -225,13 +238,11 @@ TEST(EpNcclGpuTransports, ZeroCopyAndStagedAreBitIdentical) {
   c.align = 16;
   c.zipf = 2;
   c.max_tokens = 200;
-  std::vector<std::vector<EpOutputs>> got(2, std::vector<EpOutputs>(c.ranks));
+  std::vector<std::vector<EpOutputs>> got(2);
   for (int t = 0; t < 2; ++t) {
     GroupConfig cfg = c.group_config();
     cfg.transport = t == 0 ? Transport::kZeroCopy : Transport::kStaged;
-    auto groups = Group::create_all_local(cfg);
-    detail::HostBarrier bar(c.ranks);
-    run_ranks(groups, [&](Group& g) { got[t][g.rank()] = testing::ep_run(g, c, [&] { bar.wait(); }); });
+    got[t] = run_every_rank(c, cfg);
   }
   for (int r = 0; r < c.ranks; ++r)
     testing::expect_identical_ep_outputs(got[1][r], got[0][r], detail::concat("rank ", r, ": staged vs zero-copy"));
@@ -249,15 +260,14 @@ TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
   c.align = 16;
   c.zipf = 2;
   c.max_tokens = 200;
-  std::vector<std::vector<EpOutputs>> got(2, std::vector<EpOutputs>(c.ranks));
+  std::vector<std::vector<EpOutputs>> got(2);
   for (int t = 0; t < 2; ++t) {
     GroupConfig cfg = c.group_config();
     cfg.transport = Transport::kStaged;
     cfg.staged_exact_sizes = t == 1;
-    auto groups = Group::create_all_local(cfg);
-    EXPECT_EQ(groups[0].config().staged_exact_sizes, t == 1);
-    detail::HostBarrier bar(c.ranks);
-    run_ranks(groups, [&](Group& g) { got[t][g.rank()] = testing::ep_run(g, c, [&] { bar.wait(); }); });
+    got[t] = run_every_rank(c, cfg, [&](const std::vector<Group>& groups) {
+      EXPECT_EQ(groups[0].config().staged_exact_sizes, t == 1);
+    });
   }
   for (int r = 0; r < c.ranks; ++r)
     testing::expect_identical_ep_outputs(got[1][r], got[0][r], detail::concat("rank ", r, ": exact vs fixed sizes"));
