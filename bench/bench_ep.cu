@@ -1,11 +1,12 @@
 // EP dispatch / combine across the local GPUs (one process, one thread per rank) on the NCCL group,
 // for each transport asked for (zero-copy, staged). Per rank and per op: median time, remote bytes /
 // time and its fraction of the copy-engine peer bandwidth measured in the same run, DeepEP's
-// "NVL GB/s" (all received rows, local included, x H x 2 bytes / time), SMs used for the link,
-// bytes registered, and the bytes a dispatch puts on the wire (the staged transport sends the fixed
+// "NVL GB/s" (all received rows, local included, x H x 2 bytes / time), the SM budget
+// (GroupConfig::num_sms: no EP launch has more blocks; 0 = none: 32 blocks drive the link and the
+// receive side takes every SM) and the most SMs a launch can occupy, bytes registered, and the bytes a dispatch puts on the wire (the staged transport sends the fixed
 // worst case: max_tokens_per_rank rows to every peer, see nccl_group.cpp).
 //
-// usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N]
+// usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N (default 32; 0 = no budget)]
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
 
@@ -27,6 +28,12 @@ using namespace epx;
 using bench::JsonLine;
 
 namespace {
+
+int sm_count_of(int device) {
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  return n;
+}
 
 using detail::HostBarrier;
 
@@ -111,7 +118,8 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("hidden", H)
         .add("experts", E)
         .add("topk", K)
-        .add("sms", cfg.num_sms ? cfg.num_sms : 32)
+        .add("sm_budget", cfg.num_sms)
+        .add("sms_used_at_most", cfg.num_sms > 0 ? cfg.num_sms : sm_count_of(g.device().index))
         .add("prepare_us", t_prep)
         .add("dispatch_us", t_disp)
         .add("combine_us", t_comb)

@@ -19,7 +19,8 @@
 # (multigpu_staged_exact.log: the staged transport again with EPX_STAGED_SIZES=exact.)
 # MP_RANKS (default 2) sets the ranks of the multi-process suite; MP_RUNS="plain staged net exact"
 # picks which of its four runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
-# dispatch/combine at those token counts only (H=7168, E=256), on every local GPU.
+# dispatch/combine at those token counts only (H=7168, E=256), on every local GPU: bench_ep with its
+# default budget of 32 SMs on both transports, without a budget (--sms 0), and staged with exact sizes.
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
 # ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
@@ -155,6 +156,9 @@ if has epbench; then
       shapes+=("--tokens $t --hidden 7168 --experts 256")
       timeout 300 "$BUILD/bin/bench_ep" --tokens "$t" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
         summary "bench_ep --tokens $t failed rc=$?"
+      # without an SM budget: 32 blocks drive the link, the receive side takes every SM
+      timeout 120 "$BUILD/bin/bench_ep" --tokens "$t" --transport zerocopy --sms 0 >>"$OUT/bench.jsonl" \
+        2>>"$OUT/bench.err" || summary "bench_ep --tokens $t --sms 0 failed rc=$?"
       # the staged transport moving only the slots each peer needs
       EPX_STAGED_SIZES=exact timeout 120 "$BUILD/bin/bench_ep" --tokens "$t" --transport staged >>"$OUT/bench.jsonl" \
         2>>"$OUT/bench.err" || summary "bench_ep --tokens $t (staged, exact sizes) failed rc=$?"

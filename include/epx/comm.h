@@ -62,7 +62,11 @@ struct GroupConfig {
   DType max_dtype = DType::kBF16;  // widest payload the buffers are sized for
   int align = 1;                   // expert segment padding: 1, 16, 32 or 128 rows (any power of two)
   int64_t recv_capacity_rows = 0;  // 0 = worst case (R * max_tokens * min(K, E/R) + padding)
-  int num_sms = 0;                 // SMs for communication kernels; 0 = auto
+  // SMs for the EP kernels. > 0: no EP launch has more blocks, so EP occupies at most this many SMs
+  // and the rest stay free for work running beside it (NCCL's own kernels on the staged transport
+  // are NCCL's). 0 = auto: 32 blocks drive the link and the receive side (expansion, reduction,
+  // sums) takes every SM, the fastest where nothing runs beside EP.
+  int num_sms = 0;
   double timeout_s = 0;            // device/host waits; 0 = EPX_TIMEOUT_S or 10 s
   Transport transport = Transport::kAuto;  // for NCCL groups; see Transport
   /// Staged transport only: prepare copies the per-peer token counts to the host (one stream

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __gr
           if (sl < 0) continue;
           const int c = sl / kArrivalChunk;
           ok = wait_arrivals(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)),
-                             kOpCombine);
+                             a.op_code);
         }
       }
       __syncwarp();  // lane 0's acquire before every lane's reads
@@ -97,8 +97,10 @@ bool launch(const ReduceArgs& a, cudaStream_t stream) {
   // wait, then stream R partials per token).
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
   static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
-  const int sum = std::min(sum_blocks, cap - 1);
-  const int reduce = std::min(per_sm * sms, cap - sum);
+  // Under an SM budget (GroupConfig::num_sms): a third of it sums, the rest reduces.
+  const DeviceGroup& g = a.g;
+  const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget / 3)) : std::min(sum_blocks, cap - 1);
+  const int reduce = std::min(budget_blocks(g, per_sm * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
   if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;

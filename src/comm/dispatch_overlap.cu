@@ -172,14 +172,20 @@ bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool v
   if (g.R > kMaxR || sa.K > kMaxK || ea.K != sa.K) return false;
   const int cap =
       vec ? resident_blocks<dispatch_overlap_kernel<uint4>>() : resident_blocks<dispatch_overlap_kernel<uint8_t>>();
-  const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, g.send_blocks)));
+  // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
+  // percent, default 50) and the expanders the rest, one block per SM.
+  static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 50);
+  const int link_blocks =
+      g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : g.send_blocks;
+  const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, link_blocks)));
   // Enough expand blocks for every chunk of the largest batch, at most one per SM
   // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: 1, 2, 3 per SM gave 255,
   // 266, 275 us: more expanders only compete with the senders for HBM).
   static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 1);
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens);
   const int expand =
-      static_cast<int>(std::min<int64_t>({items, static_cast<int64_t>(per_sm) * cuda::sm_count(), cap - send}));
+      static_cast<int>(std::min<int64_t>({items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0),
+                                          cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
   OverlapArgs a{sa, ea, send};
   if (vec) dispatch_overlap_kernel<uint4><<<send + expand, kThreads, 0, stream>>>(a);

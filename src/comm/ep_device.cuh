@@ -139,6 +139,7 @@ struct ReduceArgs {
   float* d_topk_weights;         // [T, K] or null
   int64_t stride;                // bytes per mailbox slot
   const int32_t* send_tokens;    // [R] (the overlapped combine: partials each rank sends back)
+  int op_code;                   // kOpCombine or kOpDispatchBwd: what a timeout names
 };
 
 // cg: a load past L1, for window areas peers write during the same launch (a line this SM cached

@@ -478,7 +478,7 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   d.send_slots = counts_or_null(h.host_send_tokens);
   d.recv_slots = counts_or_null(h.host_recv_tokens);
   link.deliver(g, d, s);
-  const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
+  const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, budget_blocks(g, cuda::sm_count() * 8));
   if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
   else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);
   EPX_CHECK_LAUNCH("expand_rows_kernel");
@@ -505,6 +505,7 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
   a.d_topk_weights = d_topk_weights.defined() ? d_topk_weights.ptr<float>() : nullptr;
   a.stride = link.row_stride(g, a.H * static_cast<int64_t>(dtype_size(rows_in.dtype())));
   a.send_tokens = h.send_tokens.ptr<int32_t>();
+  a.op_code = op_code;
   with_element(rows_in.dtype(), [&](auto tag) {
     using T = decltype(tag);
     constexpr int N = 16 / sizeof(T);
@@ -516,7 +517,7 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
       return;
     // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
     // traffic it issues is one row per partial).
-    const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, cuda::sm_count() * 4);
+    const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, budget_blocks(g, cuda::sm_count() * 4));
     if (vec) reduce_send_kernel<T, N><<<reduce_grid, kThreads, 0, s>>>(a);
     else reduce_send_kernel<T, 1><<<reduce_grid, kThreads, 0, s>>>(a);
     EPX_CHECK_LAUNCH("reduce_send_kernel");
@@ -528,7 +529,7 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     d.send_slots = counts_or_null(h.host_recv_tokens);
     d.recv_slots = counts_or_null(h.host_send_tokens);
     link.deliver(g, d, s);
-    const int sum_grid = grid_for(a.T, cuda::sm_count() * 8);
+    const int sum_grid = grid_for(a.T, budget_blocks(g, cuda::sm_count() * 8));
     if (vec) sum_partials_kernel<T, N><<<sum_grid, kThreads, 0, s>>>(a);
     else sum_partials_kernel<T, 1><<<sum_grid, kThreads, 0, s>>>(a);
     EPX_CHECK_LAUNCH("sum_partials_kernel");
@@ -582,7 +583,7 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
     d.send_slots = counts_or_null(h.host_send_tokens);
     d.recv_slots = counts_or_null(h.host_recv_tokens);
     link.deliver(g, d, s);
-    const int grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, cuda::sm_count() * 8);
+    const int grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, budget_blocks(g, cuda::sm_count() * 8));
     auto launch = [&](auto kmax) {
       constexpr int KM = decltype(kmax)::value;
       if (vec) spread_kernel<T, N, KM><<<grid, kThreads, 0, s>>>(pa);
@@ -616,7 +617,7 @@ void all_reduce(const DeviceGroup& g, Link& link, const TensorRef& buffer, Strea
     d.chunk_bytes = static_cast<size_t>(n) * es;
     link.deliver(g, d, s);
     if (n == 0) continue;
-    const int grid = static_cast<int>(std::min<int64_t>((n + 255) / 256, cuda::sm_count() * 4));
+    const int grid = static_cast<int>(std::min<int64_t>((n + 255) / 256, budget_blocks(g, cuda::sm_count() * 4)));
     if (f64) sum_chunks_kernel<double><<<grid, 256, 0, s>>>(g, buffer.ptr<double>(), begin, n);
     else sum_chunks_kernel<float><<<grid, 256, 0, s>>>(g, buffer.ptr<float>(), begin, n);
     EPX_CHECK_LAUNCH("sum_chunks_kernel");

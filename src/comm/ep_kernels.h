@@ -52,7 +52,16 @@ struct DeviceGroup {
   int32_t* status = nullptr;  // [kStatusWords]
   uint64_t timeout_ns = 0;
   int send_blocks = 0;  // SMs for the kernels that write across the link
+  // GroupConfig::num_sms > 0: no EP launch has more blocks than this, so none occupies more SMs
+  // (the rest stay free for work running beside it). 0: the link kernels get send_blocks and the
+  // receive side (expansion, reduction, sums) every SM.
+  int sm_budget = 0;
 };
+
+/// The blocks of an EP launch that would get `auto_blocks` without a budget.
+inline int budget_blocks(const DeviceGroup& g, int auto_blocks) {
+  return g.sm_budget > 0 && g.sm_budget < auto_blocks ? g.sm_budget : auto_blocks;
+}
 
 enum OpCode : int { kOpPrepare = 1, kOpDispatch = 2, kOpCombine = 3, kOpCombineBwd = 4, kOpDispatchBwd = 5, kOpReduce = 6 };
 

@@ -424,6 +424,7 @@ class NcclGroup final : public GroupState {
     dg_.status = r.control.ptr<int32_t>() + 1;
     dg_.timeout_ns = static_cast<uint64_t>(resolved_timeout_s(c) * 1e9);
     dg_.send_blocks = c.num_sms > 0 ? c.num_sms : 32;
+    dg_.sm_budget = c.num_sms;
     if (transport == Transport::kZeroCopy) {
       dg_.peer_window = static_cast<char* const*>(r.peer_window.data());
       dg_.my_window = static_cast<char*>(r.window);
@@ -433,10 +434,14 @@ class NcclGroup final : public GroupState {
       dg_.my_window = static_cast<char*>(r.recv_buf);
       DeviceGuard g(r.device);
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&last_exchange_, cudaEventDisableTiming));
+      // Pinned, so that prepare's copy of the counts is asynchronous and its wait can time out
+      // (a copy into pageable memory would block until a missing peer arrived, forever).
+      if (staged_exact_) EPX_CUDA_CHECK(cudaMallocHost(&host_counts_, 2 * static_cast<size_t>(size) * sizeof(int32_t)));
     }
   }
   ~NcclGroup() override {
     if (last_exchange_) cudaEventDestroy(last_exchange_);
+    if (host_counts_) cudaFreeHost(host_counts_);
   }
 
   void prepare(HandleState& h, const TensorRef& topk_idx, const TensorRef& topk_weights, const PrepareOptions& options,
@@ -462,16 +467,18 @@ class NcclGroup final : public GroupState {
             "which needs the counts on the host: its prepare cannot be captured in a CUDA graph");
   }
 
-  // Staged exact sizes: the per-peer counts on the host, one synchronisation of the caller's stream.
+  // Staged exact sizes: the per-peer counts on the host. The wait for them is the staged exchange's
+  // wait with the group's timeout, so a peer that never calls prepare is an error, not a hang.
   void copy_counts_to_host(HandleState& h, Stream stream) {
     cudaStream_t s = cuda::to_cuda(stream);
-    h.host_send_tokens.assign(static_cast<size_t>(size), 0);
-    h.host_recv_tokens.assign(static_cast<size_t>(size), 0);
-    EPX_CUDA_CHECK(cudaMemcpyAsync(h.host_send_tokens.data(), h.send_tokens.data(), size * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, s));
-    EPX_CUDA_CHECK(cudaMemcpyAsync(h.host_recv_tokens.data(), h.recv_tokens.data(), size * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, s));
-    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+    const size_t n = static_cast<size_t>(size);
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_, h.send_tokens.data(), n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+    EPX_CUDA_CHECK(
+        cudaMemcpyAsync(host_counts_ + n, h.recv_tokens.data(), n * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+    note_exchange(stream, kOpPrepare);
+    wait_for_last_exchange();
+    h.host_send_tokens.assign(host_counts_, host_counts_ + n);
+    h.host_recv_tokens.assign(host_counts_ + n, host_counts_ + 2 * n);
   }
 
   void dispatch_forward(HandleState& h, const TensorRef& x, const TensorRef& x_scales, const TensorRef& topk_weights,
@@ -589,6 +596,7 @@ class NcclGroup final : public GroupState {
   DeviceGroup dg_;
   Link* link_ = nullptr;
   bool staged_exact_ = false;
+  int32_t* host_counts_ = nullptr;  // staged exact sizes: [send counts | recv counts], pinned
   std::shared_ptr<HandlePool> pool_;
   cudaEvent_t last_exchange_ = nullptr;
   int last_op_ = 0;

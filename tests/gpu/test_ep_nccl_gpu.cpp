@@ -248,6 +248,32 @@ TEST(EpNcclGpuTransports, ZeroCopyAndStagedAreBitIdentical) {
     testing::expect_identical_ep_outputs(got[1][r], got[0][r], detail::concat("rank ", r, ": staged vs zero-copy"));
 }
 
+// GroupConfig::num_sms caps every EP launch's blocks; the kernels share out whatever grid they get,
+// so the results do not depend on it, down to two blocks (one sender / summer and one expander /
+// reducer in the overlapped kernels).
+TEST(EpNcclGpuTransports, SmBudgetDoesNotChangeResults) {
+  EPX_REQUIRE_GPUS(2);
+  EpCase c;
+  c.ranks = gpus();
+  c.E = 8 * c.ranks;
+  c.H = 256;
+  c.align = 16;
+  c.zipf = 2;
+  c.max_tokens = 200;
+  for (Transport t : {Transport::kZeroCopy, Transport::kStaged}) {
+    GroupConfig cfg = c.group_config();
+    cfg.transport = t;
+    const std::vector<EpOutputs> all = run_every_rank(c, cfg);
+    for (int budget : {2, 5}) {
+      cfg.num_sms = budget;
+      const std::vector<EpOutputs> got = run_every_rank(c, cfg);
+      for (int r = 0; r < c.ranks; ++r)
+        testing::expect_identical_ep_outputs(got[r], all[r], detail::concat(transport_name(t), ", rank ", r,
+                                                                            ": num_sms = ", budget, " vs auto"));
+    }
+  }
+}
+
 // GroupConfig::staged_exact_sizes: each staged exchange moves only the slots a peer needs (counts
 // copied to the host by prepare); the results are the fixed-size exchanges' bit for bit, and a
 // prepare under CUDA graph capture is refused before anything is queued.
@@ -277,6 +303,7 @@ TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
   cfg.staged_exact_sizes = true;
   auto groups = Group::create_all_local(cfg);
   std::vector<std::string> msgs(c.ranks);
+  detail::HostBarrier bar(c.ranks);
   run_ranks(groups, [&](Group& g) {
     const testing::EpInputs in = testing::ep_inputs(c, g.rank(), g.recv_capacity_rows());
     const Tensor idx = in.idx.to(g.device());
@@ -292,8 +319,12 @@ TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
     cudaStreamEndCapture(s, &graph);
     if (graph) cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
-    Handle h = prepare(g, idx, {});  // the group still works outside a capture
-    g.check();
+    bar.wait();  // every rank's capture is over before a peer's exchange is in flight
+    {
+      Handle h = prepare(g, idx, {});  // the group still works outside a capture
+      g.check();
+      bar.wait();  // and every exchange is over before a rank frees its handle and inputs
+    }
   });
   for (int r = 0; r < c.ranks; ++r)
     EXPECT_NE(msgs[r].find("cannot be captured in a CUDA graph"), std::string::npos) << "rank " << r << ": " << msgs[r];
@@ -341,11 +372,19 @@ TEST(EpNcclGpuTransports, ZeroCopyMissingRankTimesOutWithItsName) {
     // more than the 0.5 s below after the others (seen on 4 x H200).
     GroupConfig warm = cfg;
     warm.timeout_s = 0;
+    // The host barriers: no rank allocates or frees device memory while a peer's collective is in
+    // flight (see Group::create_all_local).
     auto warm_groups = Group::create_all_local(warm);
+    detail::HostBarrier bar(c.ranks);
     run_ranks(warm_groups, [&](Group& g) {
       const testing::EpInputs in = testing::ep_inputs(c, g.rank(), g.recv_capacity_rows());
-      Handle h = prepare(g, in.idx.to(g.device()), {});
-      g.check();
+      const Tensor idx = in.idx.to(g.device());
+      bar.wait();
+      {
+        Handle h = prepare(g, idx, {});
+        g.check();
+        bar.wait();
+      }
     });
   }
   auto groups = Group::create_all_local(cfg);
