@@ -43,13 +43,13 @@ void grouped_wgrad_bf16_out_cluster(GroupedOperand, GroupedOperand, void*, int64
   unavailable();
 }
 void grouped_forward_fp8_blockwise(const void*, const float*, const void*, const float*, void*, int64_t, int64_t,
-                                   int64_t, const int32_t*, const int32_t*, int, Stream) {
+                                   int64_t, const int32_t*, const int32_t*, int, int64_t, Stream) {
   unavailable();
 }
 void grouped_forward_fp8_blockwise_pingpong(const void*, const float*, const void*, const float*, void*, int64_t,
                                             int64_t, int64_t, const int32_t*, const int32_t*, int, Stream) {
   unavailable();
 }
-Fp8GemmSchedule fp8_gemm_schedule() { return Fp8GemmSchedule::kCooperative; }
+Fp8GemmSchedule fp8_gemm_schedule(int64_t, int) { return Fp8GemmSchedule::kCooperative; }
 
 }  // namespace epx::cuda

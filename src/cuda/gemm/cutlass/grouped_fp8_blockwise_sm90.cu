@@ -9,18 +9,21 @@
 
 namespace epx::cuda {
 
-Fp8GemmSchedule fp8_gemm_schedule() {
+Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups) {
   const char* v = std::getenv("EPX_FP8_GEMM_KERNEL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "cooperative") == 0) return Fp8GemmSchedule::kCooperative;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0)
+    return groups > 0 && row_capacity <= 64 * static_cast<int64_t>(groups) ? Fp8GemmSchedule::kPingpong
+                                                                           : Fp8GemmSchedule::kCooperative;
+  if (std::strcmp(v, "cooperative") == 0) return Fp8GemmSchedule::kCooperative;
   if (std::strcmp(v, "pingpong") == 0) return Fp8GemmSchedule::kPingpong;
   throw Error(Status::kInvalidArgument,
-              detail::concat("epx: EPX_FP8_GEMM_KERNEL is \"", v, "\", expected cooperative or pingpong"));
+              detail::concat("epx: EPX_FP8_GEMM_KERNEL is \"", v, "\", expected auto, cooperative or pingpong"));
 }
 
 void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const void* bt, const float* b_scales,
                                    void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
-                                   const int32_t* rows, int groups, Stream stream) {
-  if (fp8_gemm_schedule() == Fp8GemmSchedule::kPingpong)
+                                   const int32_t* rows, int groups, int64_t row_capacity, Stream stream) {
+  if (fp8_gemm_schedule(row_capacity, groups) == Fp8GemmSchedule::kPingpong)
     return grouped_forward_fp8_blockwise_pingpong(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups,
                                                   stream);
   grouped_fp8::forward<grouped_fp8::Cooperative>(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups,
