@@ -56,7 +56,6 @@ std::vector<std::string> split(const std::string& s) {
 struct LayerBenchOptions {
   MlpPrecision precision = MlpPrecision::kHigh;
   bool fp8_weight_cache = false;
-  bool shared_side_stream = true;
   int sms = 0;  // GroupConfig::num_sms
 };
 
@@ -71,7 +70,6 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     c.expert_grads_in_dtype = true;  // bf16 weight gradients, as a bf16 PyTorch model keeps them
     c.precision = precision;
     c.fp8_weight_cache = fp8_weight_cache;
-    c.shared_experts_side_stream = o.shared_side_stream;
     GroupConfig gc = layer_group_config(c, T);
     gc.num_sms = o.sms;
     Group group = make_gpu_group(gc);
@@ -93,13 +91,13 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     const double flops = 3.0 * run.forward_gemm_flops();  // forward + dgrad + wgrad
     const double floor_us = flops / dense * 1e6;
     if (talk)
-      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\",\"fp8_weight_cache\":%s,\"shared_side_stream\":%s,\"sm_budget\":%d,\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
+      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\",\"fp8_weight_cache\":%s,\"sm_budget\":%d,\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
                   "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
                   "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
                   "\"tensor_core_floor_us\":%.1f,\"fwd_bwd_over_floor\":%.3f,\"achieved_tflops_fwd_bwd\":%.1f,"
                   "\"gpu_mem_used_gb\":%.2f,\"gpu_mem_layer_gb\":%.2f,\"registered_gb\":%.3f,\"iters\":%d,"
                   "\"phases_ms_total\":%s}\n",
-                  p.name.c_str(), mlp_precision_name(precision), fp8_weight_cache ? "true" : "false", o.shared_side_stream ? "true" : "false", o.sms, group.size(), static_cast<long long>(T), static_cast<long long>(c.hidden),
+                  p.name.c_str(), mlp_precision_name(precision), fp8_weight_cache ? "true" : "false", o.sms, group.size(), static_cast<long long>(T), static_cast<long long>(c.hidden),
                   static_cast<long long>(c.ffn_hidden), static_cast<long long>(c.shared_ffn_hidden),
                   c.router.num_experts, c.router.topk, transport_name(group.transport()), fwd, fwd_bwd, flops / 1e12,
                   dense / 1e12, floor_us, fwd_bwd / floor_us, flops / (fwd_bwd * 1e-6) / 1e12, mem / 1e9,
@@ -118,16 +116,15 @@ int run_bench(const std::vector<std::string>& argv) {
   if (what != "layer") {
     std::printf("usage: epx bench layer [--preset deepseek-v3,mixtral] [--tokens T] [--iters N] [--ranks N]\n"
                 "                       [--precision high|fp8_block|mxfp8] [--fp8-weight-cache 0|1]\n"
-                "                       [--shared-side-stream 0|1] [--sms N]\n"
+                "                       [--sms N]\n"
                 "  the MoE layer forward and forward+backward on every local GPU (one process per GPU), with\n"
                 "  the tensor-core floor of its expert GEMMs and the GPU memory in use; JSON lines. fp8_block\n"
                 "  runs the expert GEMMs' forward in FP8 (DeepSeek-V3 block scales; backward in bf16); with the\n"
                 "  weight cache the FP8 weights are made once (as between two optimizer steps), not per forward;\n"
-                "  --shared-side-stream 0 runs the shared experts on the layer's stream instead of beside it,\n"
                 "  --sms N gives the EP kernels a budget of N SMs (GroupConfig::num_sms; default 0: none)\n");
     return what == "help" || what == "--help" ? 0 : 2;
   }
-  Args args("epx bench layer", rest, {"preset", "tokens", "iters", "ranks", "precision", "fp8-weight-cache", "shared-side-stream", "sms"}, {});
+  Args args("epx bench layer", rest, {"preset", "tokens", "iters", "ranks", "precision", "fp8-weight-cache", "sms"}, {});
   const BuildInfo build = build_info();
   const int gpus = detail::cuda_device_count();
   require_status(build.cuda_backend && build.gpu_grouped_gemm && gpus > 0, Status::kNotSupported, "epx bench layer",
@@ -146,7 +143,6 @@ int run_bench(const std::vector<std::string>& argv) {
                 : prec == "fp8_block" ? MlpPrecision::kFp8Block
                                       : MlpPrecision::kMxfp8;
   o.fp8_weight_cache = args.integer("fp8-weight-cache", 0) != 0;
-  o.shared_side_stream = args.integer("shared-side-stream", 1) != 0;
   o.sms = static_cast<int>(args.integer("sms", 0));
   require(o.sms >= 0, "epx bench layer", "--sms is ", o.sms, ", expected >= 0 (0 = no budget)");
   return run_on_local_gpus("bench", static_cast<int>(args.integer("ranks", gpus)), gpus, argv,

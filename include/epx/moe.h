@@ -53,11 +53,6 @@ struct MoEConfig {
   /// (an optimizer step); forwards between two changes (gradient-accumulation microbatches) then
   /// skip the weight pass. Off by default: nothing can go stale.
   bool fp8_weight_cache = false;
-  /// On a GPU, run the shared experts on a second stream of the context, beside the router,
-  /// dispatch, routed experts and combine on the caller's stream (forward and backward), joined
-  /// before their sum. Results are the same either way; off runs everything on the caller's stream.
-  /// The EP kernels then share the GPU with a GEMM: GroupConfig::num_sms bounds the SMs they take.
-  bool shared_experts_side_stream = true;
 
   void validate(const char* fn, const Group& group) const;
   int projections() const { return is_gated(activation) ? 2 : 1; }

@@ -184,54 +184,6 @@ std::string phase_report() {
 PhasePrefix::PhasePrefix(const char* prefix) : saved_(t_phase_prefix) { t_phase_prefix += prefix; }
 PhasePrefix::~PhasePrefix() { t_phase_prefix = saved_; }
 
-SideStream::~SideStream() {
-  if (!stream_) return;
-  DeviceGuard g(device_);
-  cudaStreamDestroy(static_cast<cudaStream_t>(stream_));  // returns at once; queued work completes
-  cudaEventDestroy(static_cast<cudaEvent_t>(forked_));
-  cudaEventDestroy(static_cast<cudaEvent_t>(joined_));
-}
-
-Stream SideStream::fork(Device device, Stream main) {
-  if (!device.is_cuda()) return main;
-  require(!open_, "epx::SideStream::fork", "the side stream is already forked (join it first)");
-  DeviceGuard g(device.index);
-  if (stream_ && device_ != device.index) {  // moved to another device: start over there
-    DeviceGuard old(device_);
-    cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-    cudaEventDestroy(static_cast<cudaEvent_t>(forked_));
-    cudaEventDestroy(static_cast<cudaEvent_t>(joined_));
-    stream_ = forked_ = joined_ = nullptr;
-  }
-  if (!stream_) {
-    cudaStream_t st = nullptr;
-    cudaEvent_t f = nullptr, j = nullptr;
-    cuda_check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (side stream)");
-    cuda_check(cudaEventCreateWithFlags(&f, cudaEventDisableTiming), "cudaEventCreateWithFlags (side stream)");
-    cuda_check(cudaEventCreateWithFlags(&j, cudaEventDisableTiming), "cudaEventCreateWithFlags (side stream)");
-    stream_ = st;
-    forked_ = f;
-    joined_ = j;
-    device_ = device.index;
-  }
-  const auto m = static_cast<cudaStream_t>(main.handle);
-  cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(forked_), m), "cudaEventRecord (fork)");
-  cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream_), static_cast<cudaEvent_t>(forked_), 0),
-             "cudaStreamWaitEvent (fork)");
-  open_ = true;
-  return Stream{stream_};
-}
-
-void SideStream::join(Stream main) {
-  if (!open_) return;
-  DeviceGuard g(device_);
-  cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(joined_), static_cast<cudaStream_t>(stream_)),
-             "cudaEventRecord (join)");
-  cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(main.handle), static_cast<cudaEvent_t>(joined_), 0),
-             "cudaStreamWaitEvent (join)");
-  open_ = false;
-}
-
 #else  // CPU-only build
 
 bool cuda_backend_built() { return false; }
@@ -270,9 +222,6 @@ bool profiling_enabled() { return false; }
 void phase_mark(Stream, const char*) {}
 PhasePrefix::PhasePrefix(const char*) {}
 PhasePrefix::~PhasePrefix() = default;
-SideStream::~SideStream() = default;
-Stream SideStream::fork(Device, Stream main) { return main; }
-void SideStream::join(Stream) {}
 std::string phase_report() { return "{}"; }
 
 #endif

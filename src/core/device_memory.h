@@ -25,29 +25,6 @@ void device_synchronize(int device);
 /// Bytes in use on the device by every process and context (total - free): what a job sees.
 size_t device_memory_used(int device);
 
-/// A second stream on one device, for work that may run beside the caller's stream. fork(main)
-/// makes it wait for everything queued on main so far and returns it; join(main) makes main wait
-/// for everything queued on it since. Both are an event record and a stream wait, so under a CUDA
-/// graph capture of main they become the graph's fork and join edges. For a CPU device fork returns
-/// main and join does nothing. The stream and events are made at the first fork on a CUDA device.
-/// One owner drives it (not thread-safe).
-class SideStream {
- public:
-  SideStream() = default;
-  ~SideStream();
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  Stream fork(Device device, Stream main);
-  void join(Stream main);
-
- private:
-  int device_ = -1;
-  void* stream_ = nullptr;  // cudaStream_t
-  void* forked_ = nullptr;  // cudaEvent_t: main's work up to the fork
-  void* joined_ = nullptr;  // cudaEvent_t: the side stream's work up to the join
-  bool open_ = false;       // forked and not yet joined
-};
-
 /// Where a GPU op sequence spends its time, when EPX_PROFILE=1: phase_mark(stream, "name") records
 /// an event on the stream ending the phase that began at the previous mark of that stream;
 /// phase_report() synchronises, adds the phases up and returns them as one JSON object

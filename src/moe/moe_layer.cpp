@@ -8,9 +8,6 @@
 // Backward: shared experts backward; combine_backward; expert_mlp_backward; dispatch_backward;
 //           route_backward; gate: d_logits is rounded to the layer dtype for the two gate GEMMs
 //           (operands in the layer dtype, as a tensor-core GEMM takes them).
-// The shared experts depend on nothing routed, so on a GPU they run on the context's second stream
-// (MoEConfig::shared_experts_side_stream), queued first and joined just before their sum: their
-// GEMMs fill the time the router, the EP exchanges and the small kernels leave the GPU idle.
 // Statistics are one contiguous buffer [scalars(2) | prob_sum(S*E) | counts(S*E)] so the global-
 // batch loss needs a single all-reduce; the sequence loss reduces only the scalars.
 #include "epx/moe.h"
@@ -40,7 +37,6 @@ struct MoEContext::State {
   // Backward scratch, kept so that a reused context allocates nothing after its first step.
   Tensor d_y, d_recv_weights, d_recv_x, d_x_routed, d_topk_weights, d_logits, d_logits_dt, d_x_acc, d_x_shared;
   bool used_by_backward = false;
-  detail::SideStream side;  // the shared experts' stream (MoEConfig::shared_experts_side_stream)
 };
 
 MoEContext::MoEContext() = default;
@@ -210,31 +206,6 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
   mark("");
 
-  // Shared experts: one dense FFN over all tokens, as a one-group grouped FFN, first, so that on
-  // their own stream they run beside everything below; their sum joins at the end.
-  const bool shared = c.shared_ffn_hidden > 0;
-  if (shared) {
-    const int64_t Fs = c.shared_ffn_hidden, P = c.projections();
-    // One group of T rows; a synchronous copy, so only when T changes.
-    if (s.shared_tokens != T || !(s.shared_rows.device() == dev)) {
-      s.shared_offsets = device_ints({0, static_cast<int32_t>(T)}, dev);
-      s.shared_rows = device_ints({static_cast<int32_t>(T)}, dev);
-      s.shared_tokens = T;
-    }
-    ensure(s.shared_a, {T, P, Fs}, c.dtype, dev);
-    ensure(s.shared_h, {T, Fs}, c.dtype, dev);
-    ensure(s.shared_y, {T, H}, c.dtype, dev);
-    const Stream on = c.shared_experts_side_stream ? s.side.fork(dev, stream) : stream;
-    mark_phase(dev, on, "");
-    MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
-                  s.shared_a, s.shared_h, s.shared_y};
-    {
-      detail::PhasePrefix in_shared("fwd.shared.");
-      expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, on);
-    }
-    mark_phase(dev, on, "fwd.shared");
-  }
-
   // Router.
   ensure(s.logits, {T, E}, gt, dev);
   gemm(x, params_.gate, s.logits, false, false, false, stream);
@@ -296,10 +267,26 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   combine_forward(group_, s.handle, s.y, c.apply_weights_early ? TensorRef() : s.recv_weights.ref(), out, stream);
   mark("fwd.combine");
 
-  if (shared) {
-    s.side.join(stream);
+  // Shared experts: one dense FFN over all tokens, as a one-group grouped FFN.
+  if (c.shared_ffn_hidden > 0) {
+    const int64_t Fs = c.shared_ffn_hidden;
+    // One group of T rows; a synchronous copy, so only when T changes.
+    if (s.shared_tokens != T || !(s.shared_rows.device() == dev)) {
+      s.shared_offsets = device_ints({0, static_cast<int32_t>(T)}, dev);
+      s.shared_rows = device_ints({static_cast<int32_t>(T)}, dev);
+      s.shared_tokens = T;
+    }
+    ensure(s.shared_a, {T, P, Fs}, c.dtype, dev);
+    ensure(s.shared_h, {T, Fs}, c.dtype, dev);
+    ensure(s.shared_y, {T, H}, c.dtype, dev);
+    MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
+                  s.shared_a, s.shared_h, s.shared_y};
+    {
+      detail::PhasePrefix in_shared("fwd.shared.");
+      expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, stream);
+    }
     detail::add(out, s.shared_y, out, stream);
-    mark("fwd.shared_add");
+    mark("fwd.shared");
   }
 }
 
@@ -343,22 +330,6 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
   mark("");
 
-  // Shared experts first, on their own stream beside everything below (as in forward).
-  const bool shared = c.shared_ffn_hidden > 0;
-  if (shared) {
-    const Tensor& d_x_shared = ensure(s.d_x_shared, {T, H}, c.dtype, dev);
-    const Stream on = c.shared_experts_side_stream ? s.side.fork(dev, stream) : stream;
-    mark_phase(dev, on, "");
-    MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
-                  s.shared_a, s.shared_h, s.shared_y};
-    MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
-    {
-      detail::PhasePrefix in_shared("bwd.shared.");
-      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume}, st, sg, on);
-    }
-    mark_phase(dev, on, "bwd.shared");
-  }
-
   // Routed experts, from the output back to the tokens.
   const Tensor& d_y = ensure(s.d_y, {cap, H}, c.dtype, dev);
   const Tensor& d_recv_weights = ensure(s.d_recv_weights, {cap}, gt, dev);
@@ -394,10 +365,17 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
   mark("bwd.route_gate");
 
-  if (shared) {
-    s.side.join(stream);
-    detail::add(d_x_acc, s.d_x_shared, d_x_acc, stream);
-    mark("bwd.shared_add");
+  if (c.shared_ffn_hidden > 0) {
+    const Tensor& d_x_shared = ensure(s.d_x_shared, {T, H}, c.dtype, dev);
+    MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
+                  s.shared_a, s.shared_h, s.shared_y};
+    MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
+    {
+      detail::PhasePrefix in_shared("bwd.shared.");
+      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume}, st, sg, stream);
+    }
+    detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
+    mark("bwd.shared");
   }
   detail::cast(d_x_acc, d_x, stream);
   mark("bwd.finish");

@@ -1,8 +1,7 @@
 // cuBLASLt is column-major; a row-major C [M, N] is the column-major C^T [N, M], so we ask it for
-// C^T = op(B)^T . op(A)^T: the operands swap places and keep their transpose flags. One handle per
-// device and one 32 MiB workspace per device and stream (two GEMMs running at once on two streams
-// must not share one), created once; the algorithm of each problem shape is chosen by the heuristic
-// once and cached, so repeated calls do no host work beyond the launch.
+// C^T = op(B)^T . op(A)^T: the operands swap places and keep their transpose flags. One handle and
+// one 32 MiB workspace per device, created once; the algorithm of each problem shape is chosen by
+// the heuristic once and cached, so repeated calls do no host work beyond the launch.
 #include "cuda/gemm/dense_gemm.h"
 
 #include <cublasLt.h>
@@ -34,30 +33,24 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
-using AlgoKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int>;
-
 struct DeviceContext {
   cublasLtHandle_t handle = nullptr;
-  std::map<cudaStream_t, void*> workspaces;
-  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+  void* workspace = nullptr;
+  size_t workspace_bytes = size_t(32) << 20;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int>, cublasLtMatmulAlgo_t> algos;
 };
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
-std::mutex& context_mutex() {
+DeviceContext& context() {
   static std::mutex mu;
-  return mu;
-}
-
-// The current device's context and its workspace for `stream`; call with context_mutex() held.
-DeviceContext& context(cudaStream_t stream, void*& workspace) {
   static std::map<int, DeviceContext> per_device;
   int dev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lk(mu);
   DeviceContext& c = per_device[dev];
-  if (!c.handle) lt_check(cublasLtCreate(&c.handle), "cublasLtCreate");
-  void*& w = c.workspaces[stream];
-  if (!w) EPX_CUDA_CHECK(cudaMalloc(&w, kWorkspaceBytes));
-  workspace = w;
+  if (!c.handle) {
+    lt_check(cublasLtCreate(&c.handle), "cublasLtCreate");
+    EPX_CUDA_CHECK(cudaMalloc(&c.workspace, c.workspace_bytes));
+  }
   return c;
 }
 
@@ -71,10 +64,7 @@ void dense_gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool
     if (!accumulate) EPX_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, c.nbytes(), to_cuda(stream)));
     return;
   }
-  std::unique_lock<std::mutex> lk(context_mutex());
-  void* workspace = nullptr;
-  DeviceContext& ctx = context(to_cuda(stream), workspace);
-  size_t workspace_bytes = kWorkspaceBytes;
+  DeviceContext& ctx = context();
   const bool fp64 = a.dtype() == DType::kF64;
   const cublasComputeType_t compute = fp64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
   const cudaDataType_t scale_t = fp64 ? CUDA_R_64F : CUDA_R_32F;
@@ -94,14 +84,14 @@ void dense_gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool
   lt_check(cublasLtMatrixLayoutCreate(&lb, in_t, op_b == CUBLAS_OP_N ? K : M, op_b == CUBLAS_OP_N ? M : K, ldb),
            "layout B");
   lt_check(cublasLtMatrixLayoutCreate(&lc, out_t, N, M, ldc), "layout C");
-  const AlgoKey key = std::make_tuple(M, N, K, static_cast<int>(a.dtype()), static_cast<int>(c.dtype()),
+  const auto key = std::make_tuple(M, N, K, static_cast<int>(a.dtype()), static_cast<int>(c.dtype()),
                                    static_cast<int>(transpose_a), static_cast<int>(transpose_b), static_cast<int>(accumulate));
   auto it = ctx.algos.find(key);
   if (it == ctx.algos.end()) {
     cublasLtMatmulPreference_t pref;
     lt_check(cublasLtMatmulPreferenceCreate(&pref), "preference");
-    lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
-                                                  sizeof workspace_bytes),
+    lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ctx.workspace_bytes,
+                                                  sizeof ctx.workspace_bytes),
              "preference workspace");
     cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
@@ -111,14 +101,12 @@ void dense_gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool
                    "] x [", K, ", ", N, "] ", dtype_name(a.dtype()), " -> ", dtype_name(c.dtype()));
     it = ctx.algos.emplace(key, res.algo).first;
   }
-  const cublasLtMatmulAlgo_t algo = it->second;
-  lk.unlock();
   const double one64 = 1.0, beta64 = accumulate ? 1.0 : 0.0;
   const float one32 = 1.0f, beta32 = accumulate ? 1.0f : 0.0f;
   const void* alpha = fp64 ? static_cast<const void*>(&one64) : static_cast<const void*>(&one32);
   const void* beta = fp64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
   lt_check(cublasLtMatmul(ctx.handle, desc, alpha, b.data(), la, a.data(), lb, beta, c.data(), lc, c.data(), lc,
-                          &algo, workspace, workspace_bytes, to_cuda(stream)),
+                          &it->second, ctx.workspace, ctx.workspace_bytes, to_cuda(stream)),
            "cublasLtMatmul");
   cublasLtMatrixLayoutDestroy(la);
   cublasLtMatrixLayoutDestroy(lb);

@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
-#include <tuple>
 #include <string>
 #include <mutex>
 
@@ -222,18 +221,17 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
   }
 }
 
-// Scratch per device, stream and slot, grown on demand (the first call of a size allocates; later
-// calls and graph captures after a warm-up do not); per stream so that FFNs running on two streams
-// at once never share one. Slots: 0 d_h, 1 d_a (bf16), 2 grouped FP8 scales, 3-10 the FP8
-// forward's operands (fp8_block_forward), 11 a dequantized fp8 x for the backward.
+// Scratch per device and slot, grown on demand (the first call of a size allocates; later calls
+// and graph captures after a warm-up do not). Slots: 0 d_h, 1 d_a (bf16), 2 grouped FP8 scales,
+// 3-10 the FP8 forward's operands (fp8_block_forward), 11 a dequantized fp8 x for the backward.
 template <class T>
-T* scratch(int slot, size_t elems, Stream stream) {
+T* scratch(int slot, size_t elems) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, cudaStream_t>, std::pair<void*, size_t>> cache;
+  static std::map<std::pair<int, int>, std::pair<void*, size_t>> cache;
   int dev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lk(mu);
-  auto& e = cache[{dev, slot, to_cuda(stream)}];
+  auto& e = cache[{dev, slot}];
   const size_t bytes = std::max<size_t>(elems, 1) * sizeof(T);
   if (e.second < bytes) {
     if (e.first) EPX_CUDA_CHECK(cudaFree(e.first));
@@ -286,8 +284,8 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   auto ref_of = [&](void* p, DType dt, Shape s) { return TensorRef(p, dt, std::move(s), dev); };
   // fp8 codes or fp32 scales in scratch slot `slot`
   auto in_scratch = [&](int slot, DType dt, const Shape& s) {
-    void* p = dt == DType::kF32 ? static_cast<void*>(scratch<float>(slot, static_cast<size_t>(s.numel()), stream))
-                                : static_cast<void*>(scratch<uint8_t>(slot, static_cast<size_t>(s.numel()), stream));
+    void* p = dt == DType::kF32 ? static_cast<void*>(scratch<float>(slot, static_cast<size_t>(s.numel())))
+                                : static_cast<void*>(scratch<uint8_t>(slot, static_cast<size_t>(s.numel())));
     return ref_of(p, dt, s);
   };
   TensorRef x_q = t.x, x_s = t.x_scales;
@@ -406,7 +404,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   TensorRef x = t.x;
   if (x.dtype() == DType::kF8E4M3) {
     const QuantRecipe rr = c.precision == MlpPrecision::kMxfp8 ? QuantRecipe::kMxfp8Rowwise : QuantRecipe::kFp8Block1x128;
-    x = TensorRef(scratch<__nv_bfloat16>(11, static_cast<size_t>(R * H), stream), DType::kBF16, {R, H}, t.x.device());
+    x = TensorRef(scratch<__nv_bfloat16>(11, static_cast<size_t>(R * H)), DType::kBF16, {R, H}, t.x.device());
     epx::dequantize(rr, t.x, t.x_scales, x, stream);
   }
   require_bf16_path(fn, x, H, F);
@@ -430,11 +428,11 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   auto* ws = static_cast<__nv_bfloat16*>(d.workspace.data());
   __nv_bfloat16* d_h = in_place ? static_cast<__nv_bfloat16*>(t.h.data())
                        : ws   ? ws
-                              : scratch<__nv_bfloat16>(0, static_cast<size_t>(R) * F, stream);
+                              : scratch<__nv_bfloat16>(0, static_cast<size_t>(R) * F);
   // act_backward reads a[r] before it writes d_a[r] at the same elements, so d_a may take a's place.
   __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data())
                        : ws   ? ws + R * F
-                              : scratch<__nv_bfloat16>(1, static_cast<size_t>(R) * PF, stream);
+                              : scratch<__nv_bfloat16>(1, static_cast<size_t>(R) * PF);
   grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
   detail::phase_mark(stream, "dgrad_fc2");
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
@@ -483,10 +481,10 @@ void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, c
   const int32_t* off = offsets.ptr<int32_t>();
   const int32_t* nrows = rows.ptr<int32_t>();
   // The kernel reads each group's scales M-major from a block of its own.
-  float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128), stream);
+  float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128));
   group_activation_scales(x_scales.ptr<float>(), grouped, R, K / 128, off, nrows, G, stream);
   grouped_forward_fp8_blockwise(x_q.data(), grouped, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off, nrows,
-                                G, R, stream);
+                                G, stream);
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, off, nrows, G,
                                                                 static_cast<__nv_bfloat16*>(y.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");

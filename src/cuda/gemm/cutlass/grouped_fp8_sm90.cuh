@@ -103,7 +103,7 @@ void forward(const void* a, const float* a_scales, const void* bt, const float* 
   using K_ = Fp8Kernel<Schedule>;
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
-  grouped::Cache& c = grouped::cache_for(Schedule::kCacheId, s);
+  grouped::Cache& c = grouped::cache_for(Schedule::kCacheId);
   Fp8Arrays<K_> arr;
   grouped::carve_arrays(c, groups, [&](grouped::ArrayCarver& k) {
     arr.shapes = k.next<typename K_::Shape3>();

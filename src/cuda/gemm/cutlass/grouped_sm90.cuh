@@ -7,7 +7,6 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
-#include <tuple>
 #include <mutex>
 
 #include "cute/tensor.hpp"
@@ -155,10 +154,8 @@ __global__ void setup_kernel(Mode mode, Arrays<K> arr, GroupedOperand a, Grouped
   arr.sb[g] = with_ld<typename K::StrideB>(b.ld);
 }
 
-// Cached arrays and workspace per device, kernel and stream, grown on demand (outside the hot path
-// after the first call of a shape class; a CUDA graph must be captured after a warm-up call). Per
-// stream, because each launch rewrites its arrays on its stream: two streams sharing them (a layer's
-// shared experts beside its routed ones, two microbatches) would race.
+// Per-device cached arrays and workspace, grown on demand (outside the hot path after the first
+// call of a shape class; a CUDA graph must be captured after a warm-up call).
 struct Cache {
   void* arrays = nullptr;
   size_t arrays_bytes = 0;
@@ -166,13 +163,13 @@ struct Cache {
   size_t workspace_bytes = 0;
 };
 
-inline Cache& cache_for(int kernel_id, cudaStream_t stream) {
+inline Cache& cache_for(int kernel_id) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, cudaStream_t>, Cache> caches;
+  static std::map<std::pair<int, int>, Cache> caches;
   int dev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lk(mu);
-  return caches[{dev, kernel_id, stream}];
+  return caches[{dev, kernel_id}];
 }
 
 // Grows a cached device buffer to at least `bytes` (its old contents are not kept).
@@ -237,7 +234,7 @@ void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
          int groups, Stream stream) {
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
-  Cache& c = cache_for(kernel_id, s);
+  Cache& c = cache_for(kernel_id);
   Arrays<K> arr;
   carve_arrays(c, groups, [&](ArrayCarver& k) {
     arr.shapes = k.next<typename K::Shape3>();
