@@ -484,7 +484,7 @@ void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, c
   float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128));
   group_activation_scales(x_scales.ptr<float>(), grouped, R, K / 128, off, nrows, G, stream);
   grouped_forward_fp8_blockwise(x_q.data(), grouped, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off, nrows,
-                                G, stream);
+                                G, R, stream);
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, off, nrows, G,
                                                                 static_cast<__nv_bfloat16*>(y.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
