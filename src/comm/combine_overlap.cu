@@ -30,12 +30,14 @@
 namespace epx::comm::ep_device {
 namespace {
 
-template <class T, int N>
-__global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __grid_constant__ ReduceArgs a,
-                                                                   int reduce_blocks) {
-  __shared__ int32_t rows_s[kWarps][kMaxK];
-  __shared__ float w_s[kWarps][kMaxK];
-  __shared__ int32_t slot_s[kWarps][kMaxR];
+// W warps per block: kWarps, three blocks per SM (register cap 85); kBudgetCombineWarps under an SM
+// budget, one block per SM with the same register cap.
+template <class T, int N, int W>
+__global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
+    combine_overlap_kernel(const __grid_constant__ ReduceArgs a, int reduce_blocks) {
+  __shared__ int32_t rows_s[W][kMaxK];
+  __shared__ float w_s[W][kMaxK];
+  __shared__ int32_t slot_s[W][kMaxR];
   __shared__ int last_s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
@@ -44,8 +46,8 @@ __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __gr
     int maxc = 0;
     for (int s = 0; s < R; ++s) maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
     const int64_t span = static_cast<int64_t>(R) * kArrivalChunk;  // slots of one chunk index
-    for (int64_t q = static_cast<int64_t>(blockIdx.x) * kWarps + warp; q < maxc * span;
-         q += static_cast<int64_t>(reduce_blocks) * kWarps) {
+    for (int64_t q = static_cast<int64_t>(blockIdx.x) * W + warp; q < maxc * span;
+         q += static_cast<int64_t>(reduce_blocks) * W) {
       const int c = static_cast<int>(q / span), within = static_cast<int>(q % span);
       const int s = (g.rank + 1 + within / kArrivalChunk) % R;
       const int slot = c * kArrivalChunk + within % kArrivalChunk;
@@ -55,8 +57,8 @@ __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __gr
     }
   } else {
     const int sum_blocks = gridDim.x - reduce_blocks;
-    for (int64_t t = static_cast<int64_t>(blockIdx.x - reduce_blocks) * kWarps + warp; t < a.T;
-         t += static_cast<int64_t>(sum_blocks) * kWarps) {
+    for (int64_t t = static_cast<int64_t>(blockIdx.x - reduce_blocks) * W + warp; t < a.T;
+         t += static_cast<int64_t>(sum_blocks) * W) {
       for (int d = lane; d < R; d += 32) slot_s[warp][d] = a.token_slot[t * R + d];
       __syncwarp();
       int ok = 1;
@@ -88,9 +90,9 @@ __global__ void __launch_bounds__(kThreads, 3) combine_overlap_kernel(const __gr
   if (threadIdx.x == 0) *done_ticket(g) = 0u;
 }
 
-template <class T, int N>
-bool launch(const ReduceArgs& a, cudaStream_t stream) {
-  const int cap = resident_blocks<combine_overlap_kernel<T, N>>();
+template <class T, int N, int W>
+bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
+  const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
   // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per SM (EPX_COMBINE_SUM_BLOCKS; they mostly
@@ -104,9 +106,14 @@ bool launch(const ReduceArgs& a, cudaStream_t stream) {
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
   if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;
-  combine_overlap_kernel<T, N><<<reduce + sum, kThreads, 0, stream>>>(a, reduce);
+  combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(a, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");
   return true;
+}
+
+template <class T, int N>
+bool launch(const ReduceArgs& a, cudaStream_t stream) {
+  return a.g.sm_budget > 0 ? launch_warps<T, N, kBudgetCombineWarps>(a, stream) : launch_warps<T, N, kWarps>(a, stream);
 }
 
 }  // namespace

@@ -37,13 +37,13 @@ struct OverlapArgs {
 };
 
 // Senders: the phased send kernel's loop over tokens, remote destinations only, plus the arrival.
-template <class V>
+template <class V, int W>
 __device__ void send_role(const OverlapArgs& oa, int warp, int lane) {
-  __shared__ int32_t slot_s[kWarps][kMaxR];
+  __shared__ int32_t slot_s[W][kMaxR];
   const SendArgs& a = oa.send;
   const DeviceGroup& g = a.g;
-  const int64_t nw = static_cast<int64_t>(oa.send_blocks) * kWarps;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
+  const int64_t nw = static_cast<int64_t>(oa.send_blocks) * W;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     bool any = false;
     for (int d = 0; d < g.R; ++d) {
       const int32_t sl = d == g.rank ? -1 : a.token_slot[t * g.R + d];
@@ -106,9 +106,9 @@ __device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t 
   __syncwarp();
 }
 
-template <class V>
+template <class V, int W>
 __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int lane) {
-  __shared__ int32_t rows_s[kWarps][kMaxK];
+  __shared__ int32_t rows_s[W][kMaxK];
   const ExpandArgs& a = oa.expand;
   const SendArgs& sa = oa.send;
   const DeviceGroup& g = a.g;
@@ -118,7 +118,7 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
 
   // Padding rows of the local experts (zeros), spread over the expand warps.
   if (write)
-    for (int j = xb * kWarps + warp; j < g.Le; j += xn * kWarps) zero_padding_rows<V>(a, j, lane);
+    for (int j = xb * W + warp; j < g.Le; j += xn * W) zero_padding_rows<V>(a, j, lane);
 
   int maxc = arrival_chunks(sa.T);
   for (int s = 0; s < R; ++s)
@@ -135,18 +135,46 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
     const int n = min(kArrivalChunk, count - first);
     if (!local && !take_chunk(g, s, c, static_cast<uint32_t>(n))) continue;
     if (!write) continue;
-    for (int i = warp; i < n; i += kWarps) {
+    for (int i = warp; i < n; i += W) {
       if (local) expand_own_token<V>(oa, first + i, lane, rows_s[warp]);
       else expand_received_slot<V>(a, s, first + i, lane, rows_s[warp], true);
     }
   }
 }
 
-template <class V>
-__global__ void __launch_bounds__(kThreads) dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
+// W warps per block (kWarps, or kBudgetDispatchWarps under an SM budget).
+template <class V, int W>
+__global__ void __launch_bounds__(W * 32) dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V>(a, warp, lane);
-  else expand_role<V>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
+  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane);
+  else expand_role<V, W>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
+}
+
+template <int W>
+bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStream_t stream) {
+  const DeviceGroup& g = sa.g;
+  const int cap = vec ? resident_blocks<dispatch_overlap_kernel<uint4, W>>(W * 32)
+                      : resident_blocks<dispatch_overlap_kernel<uint8_t, W>>(W * 32);
+  // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
+  // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
+  // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
+  static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 25);
+  const int link_blocks =
+      g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : g.send_blocks;
+  const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + W - 1) / W, link_blocks)));
+  // Enough expand blocks for every chunk of the largest batch, at most one per SM
+  // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: 1, 2, 3 per SM gave 255,
+  // 266, 275 us: more expanders only compete with the senders for HBM).
+  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 1);
+  const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens);
+  const int expand = static_cast<int>(std::min<int64_t>(
+      {items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0), cap - send}));
+  if (expand < 1) return false;  // the grid could not be resident: the phased path
+  OverlapArgs a{sa, ea, send};
+  if (vec) dispatch_overlap_kernel<uint4, W><<<send + expand, W * 32, 0, stream>>>(a);
+  else dispatch_overlap_kernel<uint8_t, W><<<send + expand, W * 32, 0, stream>>>(a);
+  EPX_CHECK_LAUNCH("dispatch_overlap_kernel");
+  return true;
 }
 
 }  // namespace
@@ -168,30 +196,9 @@ bool overlapped_dispatch_enabled() {
 }
 
 bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStream_t stream) {
-  const DeviceGroup& g = sa.g;
-  if (g.R > kMaxR || sa.K > kMaxK || ea.K != sa.K) return false;
-  const int cap =
-      vec ? resident_blocks<dispatch_overlap_kernel<uint4>>() : resident_blocks<dispatch_overlap_kernel<uint8_t>>();
-  // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
-  // percent, default 50) and the expanders the rest, one block per SM.
-  static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 50);
-  const int link_blocks =
-      g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : g.send_blocks;
-  const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, link_blocks)));
-  // Enough expand blocks for every chunk of the largest batch, at most one per SM
-  // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: 1, 2, 3 per SM gave 255,
-  // 266, 275 us: more expanders only compete with the senders for HBM).
-  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 1);
-  const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens);
-  const int expand =
-      static_cast<int>(std::min<int64_t>({items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0),
-                                          cap - send}));
-  if (expand < 1) return false;  // the grid could not be resident: the phased path
-  OverlapArgs a{sa, ea, send};
-  if (vec) dispatch_overlap_kernel<uint4><<<send + expand, kThreads, 0, stream>>>(a);
-  else dispatch_overlap_kernel<uint8_t><<<send + expand, kThreads, 0, stream>>>(a);
-  EPX_CHECK_LAUNCH("dispatch_overlap_kernel");
-  return true;
+  if (sa.g.R > kMaxR || sa.K > kMaxK || ea.K != sa.K) return false;
+  return sa.g.sm_budget > 0 ? launch_dispatch<kBudgetDispatchWarps>(sa, ea, vec, stream)
+                            : launch_dispatch<kWarps>(sa, ea, vec, stream);
 }
 
 }  // namespace epx::comm::ep_device

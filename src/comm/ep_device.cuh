@@ -392,17 +392,24 @@ int overlap_knob(const char* name, int dflt);
 /// Whether the environment variable `name` asks for the phased kernels ("phased").
 bool env_asks_phased(const char* name);
 
-/// Blocks of `Kernel` (kThreads threads, no dynamic shared memory) the GPU holds at once: the most
+/// Blocks of `Kernel` (`threads` threads, no dynamic shared memory) the GPU holds at once: the most
 /// an overlapped launch may use, since its blocks wait on other ranks' blocks. Computed once.
 template <auto Kernel>
-int resident_blocks() {
-  static const int n = [] {
+int resident_blocks(int threads) {
+  static const int n = [threads] {
     int per_sm = 0;
-    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
+    EPX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, 0));
     return per_sm * cuda::sm_count();
   }();
   return n;
 }
+
+/// Warps per block of the overlapped kernels: kWarps without an SM budget (several blocks per SM);
+/// under one (GroupConfig::num_sms, one block per SM) as many warps as the default holds per SM, so
+/// a budgeted SM keeps as many loads in flight: dispatch 16 (its default runs one 8-warp block per
+/// SM, 16 is within its registers), combine 24 (three 8-warp blocks per SM by default).
+constexpr int kBudgetDispatchWarps = 16;
+constexpr int kBudgetCombineWarps = 24;
 
 /// The overlapped zero-copy combine and dispatch_backward (combine_overlap.cu), EPX_COMBINE_KERNEL=phased
 /// turns it off; launched after the before-write barrier, false (nothing launched) as above.
