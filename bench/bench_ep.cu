@@ -6,6 +6,8 @@
 // receive side takes every SM) and the most SMs a launch can occupy, bytes registered, and the bytes a dispatch puts on the wire (the staged transport sends the fixed
 // worst case: max_tokens_per_rank rows to every peer, see nccl_group.cpp).
 //
+// dispatch_us / combine_us are eager (host launches included); dispatch_graph_us / combine_graph_us
+// the same ops replayed from a CUDA graph.
 // usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N (default 32; 0 = no budget)]
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
@@ -55,6 +57,43 @@ double peer_copy_gb_per_s() {
   return bytes / (us * 1e-6) * 1e-9;
 }
 
+// Microseconds per op of `op` captured kOps times into one CUDA graph (on this rank's thread) and
+// replayed; every rank of the process captures and replays together. The host barriers keep graph
+// instantiation and teardown (which may allocate) away from a peer's exchange in flight.
+double graph_us(HostBarrier& bar, const std::function<void(cudaStream_t)>& op) {
+  constexpr int kOps = 20, kReplays = 10;
+  cudaStream_t s = nullptr;
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EPX_CUDA_CHECK(cudaEventCreate(&start));
+  EPX_CUDA_CHECK(cudaEventCreate(&stop));
+  bar.wait();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPX_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kOps; ++i) op(s);
+  EPX_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  bar.wait();
+  EPX_CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
+  EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+  bar.wait();
+  EPX_CUDA_CHECK(cudaEventRecord(start, s));
+  for (int i = 0; i < kReplays; ++i) EPX_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  EPX_CUDA_CHECK(cudaEventRecord(stop, s));
+  EPX_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  bar.wait();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(s);
+  bar.wait();
+  return ms * 1e3 / (kOps * kReplays);
+}
+
 void run(int T, int H, int E, int K, int sms, double link, Transport transport) {
   GroupConfig cfg;
   cfg.transport = transport;
@@ -92,6 +131,11 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     dispatch_forward(g, h, x, w, recv, rw);
     const double t_comb = timed([&](int) { combine_forward(g, h, recv, rw, out); });
     g.check();
+    // The same two ops replayed from a CUDA graph: what a caller that captures its step sees, without
+    // the host's launch cost (which the eager timings above include: ~2 launches per op).
+    const double g_disp = graph_us(bar, [&](cudaStream_t s) { dispatch_forward(g, h, x, w, recv, rw, Stream{s}); });
+    const double g_comb = graph_us(bar, [&](cudaStream_t s) { combine_forward(g, h, recv, rw, out, Stream{s}); });
+    g.check();
     Tensor sent = Tensor::wrap(h.state().send_tokens.ref(), nullptr).to(Device::cpu());
     Tensor got = Tensor::wrap(h.state().recv_tokens.ref(), nullptr).to(Device::cpu());
     double remote_rows = 0, all_recv = 0;
@@ -123,6 +167,8 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("prepare_us", t_prep)
         .add("dispatch_us", t_disp)
         .add("combine_us", t_comb)
+        .add("dispatch_graph_us", g_disp)
+        .add("combine_graph_us", g_comb)
         .add("remote_rows", remote_rows)
         .add("dispatch_remote_gb_per_s", remote_rows * row / t_disp * 1e-3)
         .add("dispatch_link_fraction", remote_rows * row / t_disp * 1e-3 / link)
