@@ -120,7 +120,8 @@ void bind_configs(nb::module_& m) {
       .def_rw("activation", &MlpConfig::activation)
       .def_rw("apply_weights_early", &MlpConfig::apply_weights_early)
       .def_rw("precision", &MlpConfig::precision)
-      .def_rw("backward_consumes_saved", &MlpConfig::backward_consumes_saved);
+      .def_rw("backward_consumes_saved", &MlpConfig::backward_consumes_saved)
+      .def_rw("accumulate_weight_grads", &MlpConfig::accumulate_weight_grads);
   nb::class_<MoEConfig>(m, "MoEConfig")
       .def(nb::init<>())
       .def_rw("hidden", &MoEConfig::hidden)

@@ -112,6 +112,11 @@ struct MlpConfig {
   /// overwritten: no extra [rows, (P+1)*F] buffers. A layer whose context is backpropagated once
   /// sets it; the results are the same.
   bool backward_consumes_saved = false;
+  /// Backward adds the weight (and bias) gradients to what d_w_in / d_w_out (d_b_in / d_b_out)
+  /// hold instead of overwriting them: gradient accumulation over microbatches without a second
+  /// gradient buffer or an extra pass (the GPU wgrad adds in its epilogue). Needs fp32 gradients
+  /// (fp64 for fp64 weights); an expert without rows keeps its gradient as it was.
+  bool accumulate_weight_grads = false;
 };
 
 /// Tensors of the expert FFN. Forward reads x, offsets, rows, row_weights (early only), the

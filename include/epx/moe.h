@@ -139,11 +139,14 @@ class MoELayer {
   /// be captured in a CUDA graph and replayed. Keep one context per in-flight microbatch; x must
   /// stay valid until backward (it is read again there).
   void forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx, Stream stream = {});
-  /// d_out [T, H] -> d_x [T, H]; parameter gradients are written to grads() (overwritten). Once
-  /// per forward: backward consumes the context's saved activations (a second call is an error).
-  /// d_aux and d_z seed the auxiliary losses (1 when they are added to the training loss).
+  /// d_out [T, H] -> d_x [T, H]; parameter gradients are written to grads() (overwritten), or
+  /// with accumulate_grads added to what grads() holds (gradient accumulation over microbatches:
+  /// the expert GEMMs add in their epilogue, no second gradient buffer; needs fp32 gradients, so not
+  /// with MoEConfig::expert_grads_in_dtype on a bf16 layer). Once per forward: backward consumes the
+  /// context's saved activations (a second call is an error). d_aux and d_z seed the auxiliary
+  /// losses (1 when they are added to the training loss).
   void backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux = 1.0,
-                double d_z = 1.0, Stream stream = {});
+                double d_z = 1.0, Stream stream = {}, bool accumulate_grads = false);
   /// Re-quantizes the kept FP8 copy of w_in / w_out (MoEConfig::fp8_weight_cache) from the
   /// current weights, on `stream`. Call it after every update of the expert weights. A layer on
   /// the CPU reference keeps no copy (it quantizes on every forward): nothing to do there.

@@ -308,9 +308,10 @@ void MoELayer::refresh_fp8_weights(Stream stream) {
 }
 
 void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,
-                        Stream stream) {
+                        Stream stream, bool accumulate_grads) {
   const char* fn = "epx::MoELayer::backward";
   const MoEConfig& c = config_;
+  const bool acc = accumulate_grads;
   MoEContext::State& s = ctx.state();
   // Unless the config keeps them, the expert FFNs use the saved activations as their backward
   // scratch (see MlpConfig::backward_consumes_saved), so a context is backpropagated once per forward.
@@ -325,6 +326,10 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   check_device(fn, "d_x", d_x, dev);
   check_bound(fn, params_, false);
   check_bound(fn, grads_, true);
+  // Before any work: a refusal halfway would leave some gradients accumulated and others not.
+  const auto wide = [](DType t) { return t == DType::kF32 || t == DType::kF64; };
+  require(!acc || wide(grads_.w_in.dtype()), fn, "accumulate_grads needs fp32 expert gradients; they are ",
+          dtype_name(grads_.w_in.dtype()), " (MoEConfig::expert_grads_in_dtype)");
   const DType gt = accum_dtype(c.dtype);
   const int64_t cap = group_.recv_capacity_rows();
   auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
@@ -345,7 +350,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
               grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
   {
     detail::PhasePrefix in_ffn("bwd.ffn.");
-    expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision, consume}, mt, mg, stream);
+    expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision, consume, acc}, mt, mg, stream);
   }
   mark("bwd.ffn");
   const Tensor& d_x_routed = ensure(s.d_x_routed, {T, H}, c.dtype, dev);
@@ -359,7 +364,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
                  stream);
   const Tensor& d_logits_dt = c.dtype == gt ? d_logits : ensure(s.d_logits_dt, {T, E}, c.dtype, dev);
   if (c.dtype != gt) detail::cast(d_logits, d_logits_dt, stream);
-  gemm(s.x, d_logits_dt, grads_.gate, true, false, false, stream);
+  gemm(s.x, d_logits_dt, grads_.gate, true, false, acc, stream);
   const Tensor& d_x_acc = ensure(s.d_x_acc, {T, H}, gt, dev);
   gemm(d_logits_dt, params_.gate, d_x_acc, false, true, false, stream);
   detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
@@ -372,7 +377,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
     MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
     {
       detail::PhasePrefix in_shared("bwd.shared.");
-      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume}, st, sg, stream);
+      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume, acc}, st, sg, stream);
     }
     detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
     mark("bwd.shared");

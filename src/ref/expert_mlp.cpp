@@ -15,6 +15,7 @@
 //   d_x[r] = round( sum over (p, f) ascending of d_a_p[f] w_in[j, :, p, f] )
 //   d_w_out[j] = round(sum_r h[r]^T d_y[r]), d_b_out[j] = round(sum_r d_y[r]),
 //   d_w_in[j, :, p] = round(sum_r x[r]^T d_a_p[r]), d_b_in[j, p] = round(sum_r d_a_p[r]),
+//   (with accumulate_weight_grads each of these is round(old + sum), an expert without rows untouched)
 //   each sum over the group's real rows in ascending order (zeros for an empty group).
 // Padding rows of a, h, y, d_x and d_row_weights are written as zeros; rows at or past
 // offsets[G] are not touched.
@@ -213,6 +214,17 @@ void forward_impl(const MlpConfig& c, const MlpTensors& t) {
   }
 }
 
+// Stores a gradient row sum at `offset`, or adds it to what is there (old + sum, rounded once).
+template <class Acc>
+void store_grad(const TensorRef& dst, int64_t offset, int64_t n, std::vector<Acc>& sum, bool add) {
+  if (add) {
+    std::vector<Acc> old(static_cast<size_t>(n));
+    load_row(dst.data(), dst.dtype(), offset, n, old.data());
+    for (int64_t i = 0; i < n; ++i) sum[i] = old[i] + sum[i];
+  }
+  store_row(dst.data(), dst.dtype(), offset, n, sum.data());
+}
+
 template <class Acc>
 void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
   const int64_t H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
@@ -266,11 +278,16 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
         for (int64_t i = 0; i < PF; ++i) db_in[i] += da[i];
       }
     }
-    store_row(d.d_w_in.data(), d.d_w_in.dtype(), j * H * PF, H * PF, dw_in.data());
-    store_row(d.d_w_out.data(), d.d_w_out.dtype(), j * F * H, F * H, dw_out.data());
-    if (bias) {
-      store_row(d.d_b_in.data(), d.d_b_in.dtype(), j * PF, PF, db_in.data());
-      store_row(d.d_b_out.data(), d.d_b_out.dtype(), j * H, H, db_out.data());
+    // Accumulating: old + this backward's sum, one rounding (as the GPU epilogue's beta = 1); an
+    // expert without rows is left exactly as it was.
+    const bool add = c.accumulate_weight_grads;
+    if (!add || g.rows > 0) {
+      store_grad(d.d_w_in, j * H * PF, H * PF, dw_in, add);
+      store_grad(d.d_w_out, j * F * H, F * H, dw_out, add);
+      if (bias) {
+        store_grad(d.d_b_in, j * PF, PF, db_in, add);
+        store_grad(d.d_b_out, j * H, H, db_out, add);
+      }
     }
     zero_padding(d.d_x, g, H);
     if (early) zero_padding(d.d_row_weights, g, 1);

@@ -369,6 +369,50 @@ TEST(ExpertMlp, EdgeLayouts) {
   EXPECT_GT(norm, 0.0);  // the expert with rows did get a gradient
 }
 
+// accumulate_weight_grads: every weight and bias gradient becomes old + this backward's (the
+// overwriting result added to the old value, one rounding), an expert without rows keeps its old
+// gradient bit for bit, d_x is unaffected; bf16 gradients cannot accumulate (a clear error).
+TEST(ExpertMlp, AccumulatedWeightGradsAddToTheOldOnes) {
+  const Layout L = make_layout({0, 3, 5}, 1, 0);
+  Problem p = make_problem({Activation::kSwiGLU, true}, true, L, 4, 3, DType::kF32, DType::kF32, 17);
+  expert_mlp_forward(p.config, p.tensors());
+  expert_mlp_backward(p.config, p.tensors(), p.grads());
+  const std::vector<Tensor*> gs = {&p.d_w_in, &p.d_w_out, &p.d_b_in, &p.d_b_out};
+  std::vector<Tensor> fresh, old;
+  for (Tensor* g : gs) fresh.push_back(g->clone());
+  const Tensor dx_fresh = p.d_x.clone();
+  for (size_t k = 0; k < gs.size(); ++k) {  // arbitrary old values, -0 included
+    for (int64_t i = 0; i < gs[k]->numel(); ++i)
+      store_from_double(gs[k]->data(), DType::kF32, i, i % 7 == 0 ? -0.0 : 0.25 * static_cast<double>(i % 5) - 0.5);
+    old.push_back(gs[k]->clone());
+  }
+  MlpConfig acc = p.config;
+  acc.accumulate_weight_grads = true;
+  expert_mlp_backward(acc, p.tensors(), p.grads());
+  for (size_t k = 0; k < gs.size(); ++k) {
+    const int64_t per = gs[k]->numel() / 3;  // three experts, expert 0 has no rows
+    for (int64_t i = 0; i < gs[k]->numel(); ++i) {
+      const float o = old[k].ptr<float>()[i], f = fresh[k].ptr<float>()[i], got = gs[k]->ptr<float>()[i];
+      if (i < per)
+        ASSERT_EQ(std::signbit(got), std::signbit(o)) << "gradient " << k << "[" << i << "]: an empty expert is untouched";
+      ASSERT_EQ(got, i < per ? o : o + f) << "gradient " << k << "[" << i << "]";
+    }
+  }
+  for (int64_t i = 0; i < p.d_x.numel(); ++i) ASSERT_EQ(p.d_x.item(i), dx_fresh.item(i)) << "d_x[" << i << "]";
+
+  Problem b = make_problem({Activation::kSwiGLU, true}, false, L, 4, 3, DType::kBF16, DType::kBF16, 17);
+  MlpConfig bacc = b.config;
+  bacc.accumulate_weight_grads = true;
+  std::string msg;
+  try {
+    expert_mlp_forward(b.config, b.tensors());
+    expert_mlp_backward(bacc, b.tensors(), b.grads());
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("accumulate needs an fp32 d_w_in"), std::string::npos) << msg;
+}
+
 // bf16 data (fp32 weight gradients) against the same values in fp64: within bf16 noise.
 TEST(ExpertMlp, Bf16BackwardCloseToFp64) {
   const Layout L = make_layout({7, 0, 12, 1}, 8, 2);

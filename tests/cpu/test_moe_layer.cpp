@@ -323,6 +323,69 @@ TEST(MoELayer, InterleavedMicrobatchesKeepTheirOwnRouting) {
   }
 }
 
+// Gradient accumulation: backward(..., accumulate_grads) adds to grads(). After microbatch A's
+// backward (overwrite) and B's (accumulate), every gradient is exactly fl(G_A + G_B): the
+// accumulated sum is rounded once, as each overwritten gradient was. A bf16 layer with bf16 expert
+// gradients refuses before doing anything.
+TEST(MoELayer, AccumulatedGradientsAreTheSumOfTheMicrobatches) {
+  MoEConfig c = base_config(DType::kF32);
+  ASSERT_GT(c.shared_ffn_hidden, 0) << "the shared experts' gradients take part too";
+  const int R = 2;
+  const int64_t T = 6;
+  Rig rig(c, R, T, 13);
+  const std::vector<Tensor> xb = rig.per_rank(456, 0), cb = rig.per_rank(654, 0);
+  const auto which = {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate, &MoEParams::shared_w_in,
+                      &MoEParams::shared_w_out};
+  auto grads_of = [&](int r) {
+    std::vector<float> v;
+    for (auto w : which) {
+      const Tensor& g = rig.layers[r]->grads().*w;
+      v.insert(v.end(), g.ptr<float>(), g.ptr<float>() + g.numel());
+    }
+    return v;
+  };
+  std::vector<std::vector<float>> ga(R), gb(R), acc(R);
+  run_ranks(rig.groups, [&](Group& g) {
+    const int r = g.rank();
+    MoELayer& L = *rig.layers[r];
+    Tensor out = Tensor::zeros({T, c.hidden}, c.dtype), dx = Tensor::zeros({T, c.hidden}, c.dtype);
+    MoEContext a = L.forward(rig.x[r], out);
+    L.backward(a, rig.c[r], dx);
+    ga[r] = grads_of(r);
+    MoEContext b = L.forward(xb[r], out);
+    L.backward(b, cb[r], dx);
+    gb[r] = grads_of(r);
+    MoEContext a2 = L.forward(rig.x[r], out);
+    L.backward(a2, rig.c[r], dx);
+    MoEContext b2 = L.forward(xb[r], out);
+    L.backward(b2, cb[r], dx, 1.0, 1.0, {}, /*accumulate_grads=*/true);
+    acc[r] = grads_of(r);
+  });
+  for (int r = 0; r < R; ++r) {
+    ASSERT_EQ(acc[r].size(), ga[r].size());
+    int64_t differ = 0;
+    for (size_t i = 0; i < acc[r].size(); ++i) {
+      EXPECT_EQ(acc[r][i], ga[r][i] + gb[r][i]) << "rank " << r << ", gradient element " << i;
+      differ += ga[r][i] != gb[r][i];
+    }
+    EXPECT_GT(differ, 0) << "the two microbatches must differ for the test to mean anything";
+  }
+
+  MoEConfig cb16 = base_config(DType::kBF16);
+  cb16.expert_grads_in_dtype = true;
+  Rig bf(cb16, 1, T, 3);
+  MoELayer& L = *bf.layers[0];
+  Tensor out = Tensor::zeros({T, cb16.hidden}, cb16.dtype), dx = Tensor::zeros({T, cb16.hidden}, cb16.dtype);
+  MoEContext ctx = L.forward(bf.x[0], out);
+  std::string msg;
+  try {
+    L.backward(ctx, bf.c[0], dx, 1.0, 1.0, {}, true);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("accumulate_grads needs fp32 expert gradients; they are bf16"), std::string::npos) << msg;
+}
+
 // FP8 forward: tokens travel quantized, the expert GEMMs see FP8 operands; outputs stay within FP8
 // error of the high-precision layer, backward runs and stays close too, and R ranks still match one.
 TEST(MoELayer, Fp8ForwardPrecisions) {

@@ -140,6 +140,43 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), 0.0) << "empty expert's gradient must be zero";
 }
 
+// Accumulating wgrad (the epilogue's beta = 1): the public op with accumulate adds this gradient to
+// what dw holds, bit for bit old + the overwriting result (one fp32 add of the same two values),
+// on both schedules; an empty expert keeps its old gradient.
+TEST(GroupedGemmGpu, AccumulatingWgradAddsToTheOldGradient) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 136, N = 264;
+  const Layout L = make_layout({300, 0, 1, 130, 16, 0, 9}, 16);
+  const int G = static_cast<int>(L.rows.size(0));
+  Tensor x = randn({L.total, K}, DType::kBF16, 21), dy = randn({L.total, N}, DType::kBF16, 22);
+  const Tensor old = randn({G, K, N}, DType::kF32, 23);
+  Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+  Tensor fresh = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
+  grouped_gemm_wgrad(xg, dyg, off, rows, fresh);
+  const Tensor fh = to_host(fresh), oh = old;
+  Tensor want = Tensor::empty({G, K, N}, DType::kF32);
+  for (int64_t i = 0; i < want.numel(); ++i) want.ptr<float>()[i] = oh.ptr<float>()[i] + fh.ptr<float>()[i];
+  for (const char* schedule : {"cooperative", "pingpong"}) {  // EPX_WGRAD_KERNEL is read once: the cuda:: entry points
+    Tensor acc = to_gpu(old);
+    const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
+    if (std::string(schedule) == "cooperative")
+      cuda::grouped_wgrad_bf16(a, d, acc.ptr<float>(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {}, 1.0f);
+    else
+      cuda::grouped_wgrad_bf16_pingpong(a, d, acc.ptr<float>(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G,
+                                        {}, 1.0f);
+    EXPECT_TRUE(testing::bit_equal(to_host(acc), want)) << schedule << ": old + gradient";
+  }
+  Tensor pub = to_gpu(old);
+  grouped_gemm_wgrad(xg, dyg, off, rows, pub, /*accumulate=*/true);
+  const Tensor ph = to_host(pub);
+  EXPECT_TRUE(testing::bit_equal(ph, want)) << "grouped_gemm_wgrad with accumulate";
+  for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), oh.item(i)) << "an empty expert keeps its gradient";
+  // and the reference agrees within the GEMM's rounding
+  Tensor ref = old.to(Device::cpu());
+  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, ref, true);
+  EXPECT_LT(rel_err(pub, ref), 1e-2);
+}
+
 // FP8 forward (DeepSeek-V3 block scales): the weight preparation is the reference's bit for bit;
 // the GEMM matches the reference's per-block fp32 sums within the FP8 MMA's accumulation error, on
 // empty groups, single rows, one group holding almost every row, and skewed scales across rows.

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <vector>
 
 #include "core/version.h"
@@ -120,6 +121,63 @@ TEST(MoELayerGpu, GraphOfForwardBackwardReplaysBitIdentically) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(cs);
+}
+
+// Gradient accumulation on the GPU: microbatch A's backward, then B's with accumulate_grads, leave
+// each expert gradient (routed and shared: the wgrad epilogue adds the old value, beta = 1) exactly
+// fl(G_A + G_B), and the gate's (cuBLASLt with beta = 1) within fp32 rounding of it.
+TEST(MoELayerGpu, AccumulatedGradientsAreTheSumOfTheMicrobatches) {
+  EPX_REQUIRE_GPU_LAYER();
+  const MoEConfig c = small_layer();
+  const int T = 128;
+  Group g = Group::create_local(group_for(c, T), 0);
+  MoELayer L(g, c);
+  L.init_params(9, 0.1);
+  ASSERT_EQ(L.grads().w_in.dtype(), DType::kF32);
+  const Device dev = g.device();
+  std::vector<Tensor> x, d_out;
+  for (uint64_t m = 0; m < 2; ++m) {
+    x.push_back(Tensor::empty({T, c.hidden}, c.dtype, dev));
+    d_out.push_back(Tensor::empty({T, c.hidden}, c.dtype, dev));
+    detail::fill_normal(x[m], 9 + m, 1, 1.0);
+    detail::fill_normal(d_out[m], 9 + m, 2, 0.1);
+  }
+  Tensor out = Tensor::zeros({T, c.hidden}, c.dtype, dev), d_x = Tensor::zeros({T, c.hidden}, c.dtype, dev);
+  const auto which = {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::shared_w_in, &MoEParams::shared_w_out,
+                      &MoEParams::gate};
+  auto grads = [&] {
+    std::vector<Tensor> v;
+    for (auto w : which) v.push_back(to_host(L.grads().*w));
+    return v;
+  };
+  std::vector<std::vector<Tensor>> single;
+  for (int m = 0; m < 2; ++m) {
+    MoEContext ctx = L.forward(x[m], out);
+    L.backward(ctx, d_out[m], d_x);
+    single.push_back(grads());
+  }
+  for (int m = 0; m < 2; ++m) {
+    MoEContext ctx = L.forward(x[m], out);
+    L.backward(ctx, d_out[m], d_x, 1.0, 1.0, {}, /*accumulate_grads=*/m == 1);
+  }
+  g.check();
+  const std::vector<Tensor> acc = grads();
+  const char* names[] = {"d_w_in", "d_w_out", "d_shared_w_in", "d_shared_w_out", "d_gate"};
+  for (size_t i = 0; i < acc.size(); ++i) {
+    const float* a = single[0][i].ptr<float>();
+    const float* b = single[1][i].ptr<float>();
+    const float* got = acc[i].ptr<float>();
+    const bool exact = i < 4;
+    int64_t bad = 0, differ = 0;
+    for (int64_t k = 0; k < acc[i].numel(); ++k) {
+      const float want = a[k] + b[k];
+      const bool ok = exact ? got[k] == want : std::abs(got[k] - want) <= 1e-5f * (std::abs(a[k]) + std::abs(b[k])) + 1e-30f;
+      if (!ok && bad++ < 3) ADD_FAILURE() << names[i] << "[" << k << "] = " << got[k] << ", expected " << want;
+      differ += a[k] != b[k];
+    }
+    EXPECT_EQ(bad, 0) << names[i];
+    EXPECT_GT(differ, 0) << names[i] << ": the microbatches must differ for the test to mean anything";
+  }
 }
 
 TEST(MoELayerGpu, Bf16ExpertGradsAreRoundedFp32Grads) {

@@ -202,22 +202,25 @@ void zero_empty_groups(const TensorRef& out, int64_t group_elems, const int32_t*
   EPX_CHECK_LAUNCH("zero_empty_groups_kernel");
 }
 
-// Weight gradient of one grouped operand pair into fp32 or bf16 (the dtype of dw).
+// Weight gradient of one grouped operand pair into fp32 or bf16 (the dtype of dw); beta 1 adds it
+// to dw (MlpConfig::accumulate_weight_grads).
 void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem_offset, int64_t group_stride,
-           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, Stream stream) {
+           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, float beta, Stream stream) {
   const WgradSchedule sched = wgrad_schedule();
   if (dw.dtype() == DType::kF32) {
     float* out = dw.ptr<float>() + elem_offset;
-    if (sched == WgradSchedule::kCooperative) grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream);
-    else grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    if (sched == WgradSchedule::kCooperative)
+      grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
+    else
+      grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
   } else {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
     if (sched == WgradSchedule::kPingpong)
-      grouped_wgrad_bf16_out_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+      grouped_wgrad_bf16_out_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
     else if (sched == WgradSchedule::kCluster)
-      grouped_wgrad_bf16_out_cluster(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+      grouped_wgrad_bf16_out_cluster(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
     else
-      grouped_wgrad_bf16_out(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+      grouped_wgrad_bf16_out(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
   }
 }
 
@@ -418,10 +421,15 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   cudaStream_t s = to_cuda(stream);
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  zero_empty_groups(d.d_w_out, F * H, rows, G, s);
-  zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
+  // Overwriting: groups without rows get zero gradients (the GEMM skips them); accumulating: they
+  // keep what they hold.
+  const float beta = c.accumulate_weight_grads ? 1.0f : 0.0f;
+  if (!c.accumulate_weight_grads) {
+    zero_empty_groups(d.d_w_out, F * H, rows, G, s);
+    zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
+  }
   // wgrad of FC2 first: it is h's last reader, so d_h may then take h's place.
-  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, stream);
+  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, beta, stream);
   detail::phase_mark(stream, "wgrad_fc2");
   const bool in_place = c.backward_consumes_saved;
   // d_h and d_a: over h and a, or in the caller's workspace [R, (P+1)*F], or in the device scratch.
@@ -446,7 +454,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
   detail::phase_mark(stream, "dgrad_fc1");
-  wgrad({x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, stream);
+  wgrad({x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, beta, stream);
   detail::phase_mark(stream, "wgrad_fc1");
 }
 
@@ -508,12 +516,11 @@ void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef
   const int64_t K = x.size(1), N = dy.size(1);
   const int G = static_cast<int>(rows.size(0));
   require_bf16_path("epx::grouped_gemm_wgrad", x, K, N);
-  require_status((dw.dtype() == DType::kF32 || dw.dtype() == DType::kBF16) && !accumulate, Status::kNotSupported,
-                 "epx::grouped_gemm_wgrad", "dw is ", dtype_name(dw.dtype()), (accumulate ? " with accumulate" : ""),
-                 "; the GPU wgrad writes fp32 or bf16 dw without accumulate");
-  zero_empty_groups(dw, K * N, rows.ptr<int32_t>(), G, to_cuda(stream));
+  require_status(dw.dtype() == DType::kF32 || dw.dtype() == DType::kBF16, Status::kNotSupported,
+                 "epx::grouped_gemm_wgrad", "dw is ", dtype_name(dw.dtype()), "; the GPU wgrad writes fp32 or bf16 dw");
+  if (!accumulate) zero_empty_groups(dw, K * N, rows.ptr<int32_t>(), G, to_cuda(stream));
   wgrad({x.data(), K, 0}, {dy.data(), N, 0}, dw, 0, K * N, K, N, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
-        stream);
+        accumulate ? 1.0f : 0.0f, stream);
 }
 
 }  // namespace epx::cuda

@@ -29,23 +29,28 @@ void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t
                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+/// Wgrad: out_g [K, N] = a_g^T . d_g over each group's rows, fp32 accumulation. beta 0 overwrites
+/// out (groups without rows are not written); beta 1 adds to what out holds (gradient accumulation:
+/// groups without rows keep it).
 void grouped_wgrad_bf16(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride, int64_t K, int64_t N,
-                        const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+                        const int32_t* offsets, const int32_t* rows, int groups, Stream stream, float beta = 0.0f);
 /// The same with bf16 out (fp32 accumulation, rounded once).
 void grouped_wgrad_bf16_out(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride, int64_t K,
-                            int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+                            int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream,
+                            float beta = 0.0f);
 /// Both again with the ping-pong schedule (128x128 tiles, one warp group's epilogue under the
 /// other's math): the same results, faster when groups have few rows.
 void grouped_wgrad_bf16_pingpong(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride, int64_t K,
-                                 int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+                                 int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream,
+                                 float beta = 0.0f);
 void grouped_wgrad_bf16_out_pingpong(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
                                      int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
-                                     Stream stream);
+                                     Stream stream, float beta = 0.0f);
 
 /// bf16 out on 2x1 clusters sharing B by multicast (cooperative tiles).
 void grouped_wgrad_bf16_out_cluster(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
                                     int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
-                                    Stream stream);
+                                    Stream stream, float beta = 0.0f);
 
 /// FP8 e4m3 forward with DeepSeek-V3 block scales, bf16 out, fp32 accumulation:
 ///   out_g [rows_g, N] (ld_out) = (a_g [rows_g, K] x its 1x128 scales) . (bt_g [N, K] x its 128x128 scales)^T

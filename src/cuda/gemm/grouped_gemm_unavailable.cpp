@@ -23,23 +23,23 @@ void grouped_dgrad_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_t,
   unavailable();
 }
 void grouped_wgrad_bf16(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t, const int32_t*,
-                        const int32_t*, int, Stream) {
+                        const int32_t*, int, Stream, float) {
   unavailable();
 }
 void grouped_wgrad_bf16_out(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
-                            const int32_t*, int, Stream) {
+                            const int32_t*, int, Stream, float) {
   unavailable();
 }
 void grouped_wgrad_bf16_pingpong(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t, const int32_t*,
-                                 const int32_t*, int, Stream) {
+                                 const int32_t*, int, Stream, float) {
   unavailable();
 }
 void grouped_wgrad_bf16_out_pingpong(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
-                                     const int32_t*, int, Stream) {
+                                     const int32_t*, int, Stream, float) {
   unavailable();
 }
 void grouped_wgrad_bf16_out_cluster(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
-                                    const int32_t*, int, Stream) {
+                                    const int32_t*, int, Stream, float) {
   unavailable();
 }
 void grouped_forward_fp8_blockwise(const void*, const float*, const void*, const float*, void*, int64_t, int64_t,
