@@ -329,8 +329,11 @@ void bind_layer(nb::module_& m) {
            "x"_a, "out"_a, "ctx"_a, "stream"_a = 0, Release())
       .def("backward",
            [](MoELayer& l, MoEContext& ctx, const TensorRef& d_out, const TensorRef& d_x, double d_aux, double d_z,
-              uintptr_t s) { l.backward(ctx, d_out, d_x, d_aux, d_z, stream_of(s)); },
-           "ctx"_a, "d_out"_a, "d_x"_a, "d_aux"_a = 1.0, "d_z"_a = 1.0, "stream"_a = 0, Release())
+              uintptr_t s, bool accumulate_grads) {
+             l.backward(ctx, d_out, d_x, d_aux, d_z, stream_of(s), accumulate_grads);
+           },
+           "ctx"_a, "d_out"_a, "d_x"_a, "d_aux"_a = 1.0, "d_z"_a = 1.0, "stream"_a = 0, "accumulate_grads"_a = false,
+           Release())
       .def("refresh_fp8_weights", [](MoELayer& l, uintptr_t s) { l.refresh_fp8_weights(stream_of(s)); },
            "stream"_a = 0, Release());
 }

@@ -55,6 +55,44 @@ def test_layer_forward_backward_on_the_cpu_reference():
         layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
 
 
+def test_accumulated_gradients_add_to_the_previous_ones():
+    """backward(..., accumulate_grads=True) adds this microbatch's gradients to grads(): after A
+    (overwrite) then B (accumulate), each gradient is exactly the fp32 sum of the two alone."""
+    p, cfg, group, layer = tiny_layer()
+    layer.init_params(4, 0.5)
+    T, H = 8, p.hidden
+    names = [spec[0] for spec in layer.param_specs() if spec[4]]
+
+    def grads():
+        out = {}
+        for name in names:
+            ptr, _, shape, _ = layer.grad(name).describe()
+            n = math.prod(shape)
+            out[name] = list((ctypes.c_float * n).from_address(ptr))
+        return out
+
+    def step(phase, accumulate=False):
+        x, out, d_out, d_x = host(T * H), host(T * H), host(T * H), host(T * H)
+        for i in range(T * H):
+            x[i] = math.sin(0.37 * i + phase)
+            d_out[i] = math.cos(0.11 * i + 2 * phase)
+        ctx = _C.MoEContext()
+        layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), ctx)
+        layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]), accumulate_grads=accumulate)
+
+    step(0.0)
+    ga = grads()
+    step(1.0)
+    gb = grads()
+    step(0.0)
+    step(1.0, accumulate=True)
+    acc = grads()
+    for name in names:
+        want = [ctypes.c_float(a + b).value for a, b in zip(ga[name], gb[name])]
+        assert acc[name] == want, name
+    assert ga != gb
+
+
 def test_external_parameters_give_the_owned_layer_results():
     p, cfg, g_own, owned = tiny_layer()
     _, _, g_ext, ext = tiny_layer(storage=_C.ParamStorage.external)
