@@ -27,9 +27,9 @@ def _dtype_name(dtype):
 
 class Group:
     """Keyword arguments of every maker: num_experts, hidden, max_tokens_per_rank (required),
-    max_topk, dtype (widest payload, a JAX dtype), align, recv_capacity_rows, num_sms, timeout_s,
-    transport ("auto", "zerocopy", "staged"), staged_exact_sizes. Collective: every rank makes it at the
-    same time."""
+    max_topk, dtype (widest payload, a JAX dtype), align, recv_capacity_rows, num_sms (0: EP takes the
+    whole GPU while it runs; N > 0: EP kernels occupy at most N SMs), timeout_s, transport ("auto",
+    "zerocopy", "staged"), staged_exact_sizes. Collective: every rank makes it at the same time."""
 
     def __init__(self, views, size, keepalive=None):
         self.id = next(_ids)

@@ -33,7 +33,8 @@ class Group:
     Make it with one of the class methods; every rank makes it at the same time (collective).
     Keyword arguments of every maker: num_experts, hidden, max_tokens_per_rank (required), max_topk,
     dtype (widest payload), align (expert segment padding), recv_capacity_rows (0 = worst case),
-    num_sms, timeout_s, transport ("auto", "zerocopy", "staged"), staged_exact_sizes.
+    num_sms (0: EP takes the whole GPU while it runs; N > 0: EP kernels occupy at most N SMs, for
+    running beside other work), timeout_s, transport ("auto", "zerocopy", "staged"), staged_exact_sizes.
     """
 
     def __init__(self, cgroup, keepalive=None):
