@@ -95,8 +95,8 @@ bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
-  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per SM (EPX_COMBINE_SUM_BLOCKS; they mostly
-  // wait, then stream R partials per token).
+  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per
+  // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token).
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
   static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
   // Under an SM budget (GroupConfig::num_sms): a third of it sums, the rest reduces.

@@ -363,6 +363,21 @@ int grid_for(int64_t items, int cap_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap_blocks)));
 }
 
+// The phased receive side (expansion into the expert-major rows, spreading of d_out): a warp per
+// (source, slot) of the receive area plus one per local expert's padding, over every SM (or the
+// group's SM budget).
+int receive_grid(const DeviceGroup& g) {
+  return grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, budget_blocks(g, cuda::sm_count() * 8));
+}
+
+// The phased send phase of dispatch and combine_backward: one warp per token on the link blocks.
+void launch_send_rows(const SendArgs& sa, int64_t tokens, bool vec, cudaStream_t s) {
+  const int grid = grid_for(tokens, sa.g.send_blocks);
+  if (vec) send_rows_kernel<uint4><<<grid, kThreads, 0, s>>>(sa);
+  else send_rows_kernel<uint8_t><<<grid, kThreads, 0, s>>>(sa);
+  EPX_CHECK_LAUNCH("send_rows_kernel");
+}
+
 template <class F>
 void with_element(DType dt, F&& f) {
   switch (dt) {
@@ -467,10 +482,7 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   if (link.device_barriers() && overlapped_dispatch_enabled() &&
       launch_overlapped_dispatch(sa, ea, vec && aligned16(ea.out), s))
     return;
-  const int send_grid = grid_for(h.num_tokens, g.send_blocks);
-  if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
-  else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
-  EPX_CHECK_LAUNCH("send_rows_kernel");
+  launch_send_rows(sa, h.num_tokens, vec, s);
   Delivery d;
   d.op_code = kOpDispatch;
   d.row_stride = sa.stride;
@@ -478,7 +490,7 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   d.send_slots = counts_or_null(h.host_send_tokens);
   d.recv_slots = counts_or_null(h.host_recv_tokens);
   link.deliver(g, d, s);
-  const int expand_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, budget_blocks(g, cuda::sm_count() * 8));
+  const int expand_grid = receive_grid(g);
   if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
   else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);
   EPX_CHECK_LAUNCH("expand_rows_kernel");
@@ -573,17 +585,14 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
     const bool vec = pa.H % N == 0 && aligned16(sa.rows) && aligned16(pa.d_y) && (!pa.y || aligned16(pa.y)) &&
                      sa.stride % 16 == 0;
     link.before_write(g, kOpCombineBwd, s);
-    const int send_grid = grid_for(h.num_tokens, g.send_blocks);
-    if (vec) send_rows_kernel<uint4><<<send_grid, kThreads, 0, s>>>(sa);
-    else send_rows_kernel<uint8_t><<<send_grid, kThreads, 0, s>>>(sa);
-    EPX_CHECK_LAUNCH("send_rows_kernel");
+    launch_send_rows(sa, h.num_tokens, vec, s);
     Delivery d;
     d.op_code = kOpCombineBwd;
     d.row_stride = sa.stride;
     d.send_slots = counts_or_null(h.host_send_tokens);
     d.recv_slots = counts_or_null(h.host_recv_tokens);
     link.deliver(g, d, s);
-    const int grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens + g.Le, budget_blocks(g, cuda::sm_count() * 8));
+    const int grid = receive_grid(g);
     auto launch = [&](auto kmax) {
       constexpr int KM = decltype(kmax)::value;
       if (vec) spread_kernel<T, N, KM><<<grid, kThreads, 0, s>>>(pa);
