@@ -326,10 +326,11 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   check_device(fn, "d_x", d_x, dev);
   check_bound(fn, params_, false);
   check_bound(fn, grads_, true);
-  // Before any work: a refusal halfway would leave some gradients accumulated and others not.
-  const auto wide = [](DType t) { return t == DType::kF32 || t == DType::kF64; };
-  require(!acc || wide(grads_.w_in.dtype()), fn, "accumulate_grads needs fp32 expert gradients; they are ",
-          dtype_name(grads_.w_in.dtype()), " (MoEConfig::expert_grads_in_dtype)");
+  // Before any work: a refusal halfway would leave some gradients accumulated and others not. The
+  // other gradients are always in the accumulation dtype; the expert ones unless expert_grads_in_dtype.
+  require(!acc || grads_.w_in.dtype() == accum_dtype(c.dtype), fn,
+          "accumulate_grads needs fp32 expert gradients; they are ", dtype_name(grads_.w_in.dtype()),
+          " (MoEConfig::expert_grads_in_dtype)");
   const DType gt = accum_dtype(c.dtype);
   const int64_t cap = group_.recv_capacity_rows();
   auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
