@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -50,6 +51,16 @@ Tensor normal(Shape s, DType dt, uint64_t seed, uint64_t stream, double scale = 
 }
 
 // One R-rank layer plus its inputs; loss(L) = sum_r <c_r, out_r> + aux + z.
+// The fp32 gradients `which` of a layer, one after the other.
+std::vector<float> flat_grads(const MoELayer& L, std::initializer_list<Tensor MoEParams::*> which) {
+  std::vector<float> v;
+  for (auto w : which) {
+    const Tensor& g = L.grads().*w;
+    v.insert(v.end(), g.ptr<float>(), g.ptr<float>() + g.numel());
+  }
+  return v;
+}
+
 struct Rig {
   MoEConfig config;
   int ranks;
@@ -291,12 +302,7 @@ TEST(MoELayer, InterleavedMicrobatchesKeepTheirOwnRouting) {
   Rig rig(c, R, T, 9);
   const std::vector<Tensor> xb = rig.per_rank(123, 0), cb = rig.per_rank(321, 0);
   auto grads_of = [&](int r) {
-    std::vector<float> v;
-    for (auto which : {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate}) {
-      const Tensor& g = rig.layers[r]->grads().*which;
-      v.insert(v.end(), g.ptr<float>(), g.ptr<float>() + g.numel());
-    }
-    return v;
+    return flat_grads(*rig.layers[r], {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate});
   };
   std::vector<std::vector<float>> seq_a(R), seq_b(R), inter_a(R), inter_b(R);
   run_ranks(rig.groups, [&](Group& g) {
@@ -334,15 +340,9 @@ TEST(MoELayer, AccumulatedGradientsAreTheSumOfTheMicrobatches) {
   const int64_t T = 6;
   Rig rig(c, R, T, 13);
   const std::vector<Tensor> xb = rig.per_rank(456, 0), cb = rig.per_rank(654, 0);
-  const auto which = {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate, &MoEParams::shared_w_in,
-                      &MoEParams::shared_w_out};
   auto grads_of = [&](int r) {
-    std::vector<float> v;
-    for (auto w : which) {
-      const Tensor& g = rig.layers[r]->grads().*w;
-      v.insert(v.end(), g.ptr<float>(), g.ptr<float>() + g.numel());
-    }
-    return v;
+    return flat_grads(*rig.layers[r], {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate,
+                                       &MoEParams::shared_w_in, &MoEParams::shared_w_out});
   };
   std::vector<std::vector<float>> ga(R), gb(R), acc(R);
   run_ranks(rig.groups, [&](Group& g) {

@@ -34,6 +34,24 @@ int gpus() { return detail::cuda_device_count(); }
     if (gpus() < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, " << gpus() << " visible: skipped"; \
   } while (0)
 
+// Every visible GPU a rank, 8 experts per rank.
+EpCase base_case() {
+  EpCase c;
+  c.ranks = gpus();
+  c.E = 8 * c.ranks;
+  return c;
+}
+
+// The transport comparisons' case: skewed routing over short rows, small enough to run many groups.
+EpCase small_skewed_case() {
+  EpCase c = base_case();
+  c.H = 256;
+  c.align = 16;
+  c.zipf = 2;
+  c.max_tokens = 200;
+  return c;
+}
+
 void compare_all(const EpCase& c, std::vector<Group>& groups) {
   SCOPED_TRACE(c.str());
   const std::vector<EpOutputs> want = testing::ep_reference(c);
@@ -59,17 +77,11 @@ class EpNcclGpu : public ::testing::TestWithParam<Transport> {
     for (Group& g : groups) EXPECT_EQ(g.transport(), GetParam()) << "rank " << g.rank();
     return groups;
   }
-  static EpCase base() {
-    EpCase c;
-    c.ranks = gpus();
-    c.E = 8 * c.ranks;
-    return c;
-  }
 };
 
 TEST_P(EpNcclGpu, MatchesReference) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c = base();
+  EpCase c = base_case();
   auto groups = make(c);
   for (uint32_t seed : {1u, 2u}) {
     c.seed = seed;
@@ -96,7 +108,7 @@ TEST_P(EpNcclGpu, StandardScenarios) {
 // routings through the same buffers.
 TEST_P(EpNcclGpu, AdversarialRoutingOnOneGroup) {
   EPX_REQUIRE_GPUS(2);
-  const EpCase b = base();
+  const EpCase b = base_case();
   auto groups = make(b);
   EpCase skew = b;
   skew.zipf = 4;
@@ -121,7 +133,7 @@ TEST_P(EpNcclGpu, AdversarialRoutingOnOneGroup) {
 // equals the reference's. (The staged transport sends only H + scale bytes per row.)
 TEST_P(EpNcclGpu, QuantizedDispatchMatchesReference) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c = base();
+  EpCase c = base_case();
   c.H = 256;
   c.align = 32;
   auto groups = make(c);
@@ -140,7 +152,7 @@ TEST_P(EpNcclGpu, QuantizedDispatchMatchesReference) {
 
 TEST_P(EpNcclGpu, AllReduceSumsInRankOrder) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c = base();
+  EpCase c = base_case();
   auto groups = make(c);
   detail::HostBarrier bar(c.ranks);
   // 40000 floats: several chunks of the zero-copy reduce region; 1 and 0 elements: edge cases.
@@ -154,7 +166,7 @@ TEST_P(EpNcclGpu, AllReduceSumsInRankOrder) {
 // every rank's own stream, replayed 10 times: bit-identical to the eager run each time.
 TEST_P(EpNcclGpu, GraphReplayIsBitIdenticalToEager) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c = base();
+  EpCase c = base_case();
   c.max_tokens = 256;
   c.K = 8;
   c.H = 128;
@@ -185,7 +197,7 @@ TEST_P(EpNcclGpu, InterleavedMicrobatchesMatchReference) {
 // rows regions each).
 TEST_P(EpNcclGpu, RegisteredBytesAreTheRankMajorBuffers) {
   EPX_REQUIRE_GPUS(2);
-  const EpCase c = base();
+  const EpCase c = base_case();
   auto groups = make(c);
   const WindowLayout L = WindowLayout::make(config_of(c), c.ranks);
   for (Group& g : groups) {
@@ -198,7 +210,7 @@ TEST_P(EpNcclGpu, RegisteredBytesAreTheRankMajorBuffers) {
 // what it was (later launches on the "current" device would otherwise hit another GPU's memory).
 TEST_P(EpNcclGpu, CreatingAndDestroyingKeepsTheCallersDevice) {
   EPX_REQUIRE_GPUS(2);
-  const EpCase c = base();
+  const EpCase c = base_case();
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   {
     auto groups = make(c);
@@ -230,14 +242,8 @@ std::vector<EpOutputs> run_every_rank(const EpCase& c, const GroupConfig& cfg,
 // for bit (d_row_weights included, which the reference only matches within a tolerance).
 TEST(EpNcclGpuTransports, ZeroCopyAndStagedAreBitIdentical) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c;
-  c.ranks = gpus();
-  c.E = 8 * c.ranks;
+  EpCase c = small_skewed_case();
   c.K = 6;
-  c.H = 256;
-  c.align = 16;
-  c.zipf = 2;
-  c.max_tokens = 200;
   std::vector<std::vector<EpOutputs>> got(2);
   for (int t = 0; t < 2; ++t) {
     GroupConfig cfg = c.group_config();
@@ -253,13 +259,7 @@ TEST(EpNcclGpuTransports, ZeroCopyAndStagedAreBitIdentical) {
 // reducer in the overlapped kernels).
 TEST(EpNcclGpuTransports, SmBudgetDoesNotChangeResults) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c;
-  c.ranks = gpus();
-  c.E = 8 * c.ranks;
-  c.H = 256;
-  c.align = 16;
-  c.zipf = 2;
-  c.max_tokens = 200;
+  EpCase c = small_skewed_case();
   for (Transport t : {Transport::kZeroCopy, Transport::kStaged}) {
     GroupConfig cfg = c.group_config();
     cfg.transport = t;
@@ -279,13 +279,7 @@ TEST(EpNcclGpuTransports, SmBudgetDoesNotChangeResults) {
 // prepare under CUDA graph capture is refused before anything is queued.
 TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c;
-  c.ranks = gpus();
-  c.E = 8 * c.ranks;
-  c.H = 256;
-  c.align = 16;
-  c.zipf = 2;
-  c.max_tokens = 200;
+  EpCase c = small_skewed_case();
   std::vector<std::vector<EpOutputs>> got(2);
   for (int t = 0; t < 2; ++t) {
     GroupConfig cfg = c.group_config();
@@ -334,9 +328,7 @@ TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
 // zero-copy when every rank is in one LSA team (GPUs of one NVLink domain).
 TEST(EpNcclGpuTransports, AutoFollowsEnvironmentThenTopology) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c;
-  c.ranks = gpus();
-  c.E = 8 * c.ranks;
+  EpCase c = base_case();
   const char* old = std::getenv("EPX_TRANSPORT");
   const std::string saved = old ? old : "";
   setenv("EPX_TRANSPORT", "staged", 1);
@@ -360,9 +352,7 @@ TEST(EpNcclGpuTransports, AutoFollowsEnvironmentThenTopology) {
 
 TEST(EpNcclGpuTransports, ZeroCopyMissingRankTimesOutWithItsName) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c;
-  c.ranks = gpus();
-  c.E = 8 * c.ranks;
+  EpCase c = base_case();
   GroupConfig cfg = c.group_config();
   cfg.timeout_s = 0.5;
   cfg.transport = Transport::kZeroCopy;
@@ -411,9 +401,7 @@ TEST(EpNcclGpuTransports, ZeroCopyMissingRankTimesOutWithItsName) {
 // at most 20 s for the others to see the timeout, so a regression fails instead of hanging.)
 TEST(EpNcclGpuTransports, StagedLateRankIsReportedByCheckThenCompletes) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c;
-  c.ranks = gpus();
-  c.E = 8 * c.ranks;
+  EpCase c = base_case();
   GroupConfig cfg = c.group_config();
   cfg.timeout_s = 0.5;
   cfg.transport = Transport::kStaged;
