@@ -10,18 +10,10 @@
 // "us" times a CUDA graph of one call per rotated input (launch gaps removed), "us_stream" the
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
-// route_forward is timed with each kernel ("kernel": "tile" = the default, two lanes per token and a
-// threshold top-k, where the shape allows, else wide; "wide" = two tokens per warp with
+// route_forward is timed with each kernel ("kernel": "wide" = the default, two tokens per warp with
 // fast exponentials, where the shape allows, else fast1; "fast1" = the bit-exact fast kernel with one
 // token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel,
 // EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
-//
-// Prediction for "tile" (2026-11-22, before any GPU run): ~150-200 warp instructions per token at
-// softmax top-8 (~19 per element of one lane's half: max, exponential, stored score, key, segment
-// max, candidate test, statistics; ~40 per token for the threshold and the candidates' top-k) and
-// ~200-250 at DeepSeek-V3 (three MUFU per element: the logsumexp's exponential and the sigmoid's
-// two), one wave of 16-token tiles (8 warps per SM): ~6-8 us for both, with the 4 us logits read
-// overlapping the compute of the tiles that arrived first.
 //
 // Prediction for "wide" (2026-11-22, before any GPU run; from an Nsight Compute profile of fast1:
 // 689 warp instructions per token at softmax top-8, 44% issue utilisation, 168K local-memory spill
@@ -297,9 +289,8 @@ int main() {
       fwd.push_back(dec);
     }
     for (const Case& k : fwd)
-      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kTile, epx::cuda::RouterKernel::kWide,
-                                           epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
-                                           epx::cuda::RouterKernel::kLegacy})
+      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kWide, epx::cuda::RouterKernel::kFast,
+                                           epx::cuda::RouterKernel::kFastOneTokenPerWarp, epx::cuda::RouterKernel::kLegacy})
         bench_forward(k, hbm, kern);
     epx::cuda::set_router_kernel(initial);
 

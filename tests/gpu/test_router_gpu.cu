@@ -326,11 +326,6 @@ TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
       {make_config(96, 16, SF::kSoftmaxAfterTopk, 16, 5), DType::kF32, DType::kI32},
       {make_config(512, 16, SF::kSoftmax), DType::kF32, DType::kI64},
       {make_config(12, 5, SF::kSigmoid, 3, 2, true), DType::kF32, DType::kI32},
-      // The tile kernel's shapes (fp32, E = 128 / 256): ties at its threshold overflow the candidate lists.
-      {make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32},
-      {make_config(256, 8, SF::kSoftmax, 1, 1, true, true), DType::kF32, DType::kI32},
-      {make_config(128, 16, SF::kSoftmaxAfterTopk, 4, 2, true), DType::kF32, DType::kI32},
-      {make_config(128, 4, SF::kSigmoid, 16, 3, true, true, 2.5f), DType::kF32, DType::kI64},
   };
   for (const Case& k : cases) {
     const RouterConfig& c = k.c;
@@ -560,31 +555,29 @@ TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
             << w << ": scalars[0] got " << fs[0] << ", legacy " << ls[0];
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kTile);  // the default
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 
 // The statistics of the fast kernels (wide, two and one tokens per warp) at the benchmark shape, run
 // to run: their shared reduction is fixed point, so the order in which chunks finish cannot matter.
 TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
   EPX_REQUIRE_GPU();
-  for (cuda::RouterKernel kern : {cuda::RouterKernel::kTile, cuda::RouterKernel::kWide, cuda::RouterKernel::kFast,
-                                  cuda::RouterKernel::kFastOneTokenPerWarp}) {
+  for (cuda::RouterKernel kern :
+       {cuda::RouterKernel::kWide, cuda::RouterKernel::kFast, cuda::RouterKernel::kFastOneTokenPerWarp}) {
     cuda::set_router_kernel(kern);
     for (AuxLossType aux : {AuxLossType::kGlobalBatch, AuxLossType::kSequence}) {
       RouterConfig c = make_config(256, 8, ScoreFunction::kSoftmax);
       c.aux_loss = aux;
       c.seq_len = 4096;
       const int64_t T = 32768;
-      // tile and wide take fp32 logits only (bf16 would fall back to fast1).
-      const DType dt = kern == cuda::RouterKernel::kTile || kern == cuda::RouterKernel::kWide ? DType::kF32 : DType::kBF16;
-      const Tensor logits = host_tensor({T, 256}, dt, mixed_rows(c, T, dt, 99));
+      const Tensor logits = host_tensor({T, 256}, DType::kBF16, mixed_rows(c, T, DType::kBF16, 99));
       const Routed first = forward_on(Device::cuda(0), c, logits, Tensor(), DType::kI32, kPoisons[0]);
       for (int run = 0; run < 3; ++run)
         expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, Tensor(), DType::kI32, kPoisons[run % 2]), first,
                              std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
     }
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kTile);  // the default
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 
 // The wide kernel (the default where it applies) and the one-token-per-warp kernel against the
@@ -608,14 +601,13 @@ TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
       const Tensor b = c.use_expert_bias ? host_tensor({c.num_experts}, DType::kF32, bias) : Tensor();
       const Tensor logits = random_logits(c, T, k.dt, bias, seed++, 2.0, T > 100 ? 0.001 : 0.05);
       const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
-      for (cuda::RouterKernel kern :
-           {cuda::RouterKernel::kTile, cuda::RouterKernel::kWide, cuda::RouterKernel::kFastOneTokenPerWarp}) {
+      for (cuda::RouterKernel kern : {cuda::RouterKernel::kWide, cuda::RouterKernel::kFastOneTokenPerWarp}) {
         cuda::set_router_kernel(kern);
         expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt), cpu,
                              describe(c, k.dt, k.idx_dt, T) + " kernel " + cuda::router_kernel_name(kern));
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kTile);  // the default
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 
 // Without statistics tensors (no loss configured) only the routing is written.

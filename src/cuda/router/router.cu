@@ -29,7 +29,6 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_kernels.cuh"
-#include "cuda/router/router_tile.h"
 #include "cuda/router/router_wide.h"
 #include "epx/error.h"
 
@@ -140,8 +139,7 @@ RouterKernel resolve_router_kernel() {
   int k = g_router_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
     const char* v = std::getenv("EPX_ROUTER_KERNEL");
-    int want = static_cast<int>(RouterKernel::kTile);
-    if (v != nullptr && std::strcmp(v, "wide") == 0) want = static_cast<int>(RouterKernel::kWide);
+    int want = static_cast<int>(RouterKernel::kWide);
     if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(RouterKernel::kLegacy);
     if (v != nullptr && std::strcmp(v, "fast") == 0) want = static_cast<int>(RouterKernel::kFast);
     if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
@@ -279,7 +277,6 @@ const char* router_kernel_name(RouterKernel k) {
     case RouterKernel::kLegacy: return "legacy";
     case RouterKernel::kFastOneTokenPerWarp: return "fast1";
     case RouterKernel::kWide: return "wide";
-    case RouterKernel::kTile: return "tile";
     default: return "fast";
   }
 }
@@ -327,21 +324,15 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   p.scale = c.routed_scaling_factor;
   const int elem = static_cast<int>(dtype_size(logits.dtype()));
   p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
-  // The tile and wide kernels run one chunk per block (as many blocks as fit at once); the others up
-  // to kMaxChunks blocks. tile falls back to wide, wide to fast1.
-  const bool bf16 = logits.dtype() == DType::kBF16;
-  const RouterKernel want = resolve_router_kernel();
-  const bool tile = want == RouterKernel::kTile && tile_router_supports(p, bf16);
-  const bool wide = !tile && (want == RouterKernel::kWide || want == RouterKernel::kTile) && wide_router_supports(p, bf16);
-  const int64_t max_chunks = tile   ? std::min<int64_t>(rk::kMaxChunks, tile_router_blocks(E))
-                             : wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks())
-                                    : rk::kMaxChunks;
+  // The wide kernel runs one chunk per block (2 blocks per SM); the others up to kMaxChunks blocks.
+  const bool wide = resolve_router_kernel() == RouterKernel::kWide &&
+                    wide_router_supports(p, logits.dtype() == DType::kBF16);
+  const int64_t max_chunks = wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks()) : rk::kMaxChunks;
 
   const int64_t L = c.aux_loss == AuxLossType::kSequence ? c.seq_len : T;
   const int64_t S = T / L;
   int64_t ct = std::max<int64_t>(8, ceil_div(T, max_chunks));
   if (wide) ct = ceil_div(ct, 2 * rk::kWarps) * (2 * rk::kWarps);  // whole rounds of the block's token pairs
-  if (tile) ct = ceil_div(ct, tile_router_block_tokens()) * tile_router_block_tokens();  // whole tiles
   if (L <= ct) {
     p.C = L;
     p.bps = 1;
@@ -370,9 +361,7 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
                  " not above the ", V, " experts per lane");
   const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, max_chunks));
   const int sf = score_kind(c.score_function);
-  if (tile)
-    launch_route_forward_tile(sf, grid, s, p);
-  else if (wide)
+  if (wide)
     launch_route_forward_wide(sf, grid, s, p);
   else if (logits.dtype() == DType::kF32)
     launch_forward_v<float>(V, sf, grid, s, p);

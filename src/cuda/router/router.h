@@ -30,17 +30,15 @@ constexpr int kRouterMaxGroups = 16;
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
-/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "tile" (default: two lanes per
-/// token, selection by a segment-max threshold, where the shape allows -- fp32 logits, E in {128, 256},
-/// aligned rows, no groups or power-of-two groups of at least 8 experts -- else "wide"), "wide" (two
-/// tokens per warp with fast exponentials, where the shape allows -- fp32 logits, E in {64, 128, 256},
-/// aligned rows, groups of 32/64/128 experts -- else "fast1"), "fast1" (the fast kernel, one token per
-/// warp), "fast" (two tokens per warp where the shape allows, else one) or "legacy" (the earlier
-/// kernel), kept so that a GPU run and the tests can compare them. fast, fast1 and legacy give the same
-/// topk_idx and topk_weights bits; tile and wide agree with them (and the reference) on the selection of
-/// well-separated scores and on weights within a few 1e-6 relative (router_wide_kernels.cuh). prob_sum
-/// and scalars[0] differ between kernels in rounding; each is deterministic run to run.
-enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2, kWide = 3, kTile = 4 };
+/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "wide" (default: two tokens per
+/// warp with fast exponentials, where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned
+/// rows, groups of 32/64/128 experts -- else "fast1"), "fast1" (the fast kernel, one token per warp), "fast" (two
+/// tokens per warp where the shape allows, else one) or "legacy" (the earlier kernel), kept so that a
+/// GPU run and the tests can compare them. fast, fast1 and legacy give the same topk_idx and
+/// topk_weights bits; wide agrees with them (and the reference) on the selection of well-separated
+/// scores and on weights within a few 1e-6 relative (router_wide_kernels.cuh). prob_sum and
+/// scalars[0] differ between kernels in rounding; each is deterministic run to run.
+enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2, kWide = 3 };
 void set_router_kernel(RouterKernel k);
 RouterKernel router_kernel_in_use();
 const char* router_kernel_name(RouterKernel k);
