@@ -158,14 +158,17 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStr
   // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
   // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
   // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
+  // Without a budget, 64 sender blocks (EPX_DISPATCH_SEND_BLOCKS; measured at T=4096, H=7168 on
+  // 2 x H200: 32 / 48 / 64 / 96 gave 257 / 229 / 228 / 235 us, the same 27 us at T=128).
   static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 25);
+  static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
   const int link_blocks =
-      g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : g.send_blocks;
+      g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : send_blocks;
   const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + W - 1) / W, link_blocks)));
-  // Enough expand blocks for every chunk of the largest batch, at most one per SM
-  // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: 1, 2, 3 per SM gave 255,
-  // 266, 275 us: more expanders only compete with the senders for HBM).
-  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 1);
+  // Enough expand blocks for every chunk of the largest batch, at most two per SM
+  // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per
+  // SM gave 255, 266, 275 us; with 64 senders 1 and 2 gave 228 and 220-222 us).
+  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens);
   const int expand = static_cast<int>(std::min<int64_t>(
       {items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0), cap - send}));
