@@ -7,7 +7,8 @@
 // worst case: max_tokens_per_rank rows to every peer, see nccl_group.cpp).
 //
 // dispatch_us / combine_us are eager (host launches included); dispatch_graph_us / combine_graph_us
-// the same ops replayed from a CUDA graph.
+// the same ops replayed from a CUDA graph. fp8_dispatch_us (and _graph_us): the dispatch of an x
+// already in FP8 with 1x128 scales; fp8_quantizing_dispatch_us: the bf16 x quantized on the way.
 // usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N (default 32; 0 = no budget)]
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
@@ -144,6 +145,24 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     const double g_disp = capturable ? g_pd - g_prep : -1;
     const double g_comb = graph_us(bar, [&](cudaStream_t s) { combine_forward(g, h, recv, rw, out, Stream{s}); });
     g.check();
+    // FP8 dispatch (1x128 recipe: e4m3 rows and H/128 fp32 scales travel together), of an x already
+    // quantized, and quantized on the way from the bf16 x.
+    Tensor x8 = Tensor::zeros({T, H}, DType::kF8E4M3, dev);
+    Tensor xs = Tensor::full({T, H / 128}, DType::kF32, 1.0).to(dev);
+    Tensor recv8 = Tensor::empty({cap, H}, DType::kF8E4M3, dev), rs = Tensor::empty({cap, H / 128}, DType::kF32, dev);
+    const double t_pd8 = timed([&](int) {
+      Handle hh = prepare(g, idx, w);
+      dispatch_forward(g, hh, x8, xs, w, recv8, rs, rw);
+    });
+    const double t_pdq = timed([&](int) {
+      Handle hh = prepare(g, idx, w);
+      dispatch_forward(g, hh, x, TensorRef(), w, recv8, rs, rw);
+    });
+    const double g_pd8 = !capturable ? -1 : graph_us(bar, [&](cudaStream_t s) {
+      Handle hh = prepare(g, idx, w, {}, Stream{s});
+      dispatch_forward(g, hh, x8, xs, w, recv8, rs, rw, Stream{s});
+    });
+    g.check();
     Tensor sent = Tensor::wrap(h.state().send_tokens.ref(), nullptr).to(Device::cpu());
     Tensor got = Tensor::wrap(h.state().recv_tokens.ref(), nullptr).to(Device::cpu());
     double remote_rows = 0, all_recv = 0;
@@ -151,7 +170,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
       if (d != g.rank()) remote_rows += sent.ptr<int32_t>()[d];
       all_recv += got.ptr<int32_t>()[d];
     }
-    const double t_disp = t_pd - t_prep, row = 2.0 * H;
+    const double t_disp = t_pd - t_prep, row = 2.0 * H, row8 = H + 4.0 * (H / 128);
     // Bytes this rank's dispatch sends to other ranks: the rows it needs, or on the staged
     // transport the fixed worst case (a whole region per peer, rows and metadata).
     // (exact staged sizes: only the slots each peer needs, rows and metadata)
@@ -184,6 +203,11 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("dispatch_nvl_gb_per_s", all_recv * row / t_disp * 1e-3)
         .add("combine_remote_gb_per_s", remote_rows * row / t_comb * 1e-3)
         .add("combine_link_fraction", remote_rows * row / t_comb * 1e-3 / link)
+        .add("fp8_dispatch_us", t_pd8 - t_prep)
+        .add("fp8_dispatch_graph_us", capturable ? g_pd8 - g_prep : -1)
+        .add("fp8_quantizing_dispatch_us", t_pdq - t_prep)
+        .add("fp8_dispatch_remote_gb_per_s", remote_rows * row8 / (t_pd8 - t_prep) * 1e-3)
+        .add("fp8_dispatch_link_fraction", remote_rows * row8 / (t_pd8 - t_prep) * 1e-3 / link)
         .add("dispatch_wire_bytes", wire)
         .add("dispatch_wire_gb_per_s", wire / t_disp * 1e-3)
         .add("registered_bytes", static_cast<long long>(g.registered_bytes()))
