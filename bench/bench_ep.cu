@@ -2,9 +2,10 @@
 // for each transport asked for (zero-copy, staged). Per rank and per op: median time, remote bytes /
 // time and its fraction of the copy-engine peer bandwidth measured in the same run, DeepEP's
 // "NVL GB/s" (all received rows, local included, x H x 2 bytes / time), the SM budget
-// (GroupConfig::num_sms: no EP launch has more blocks; 0 = none: 32 blocks drive the link and the
-// receive side takes every SM) and the most SMs a launch can occupy, bytes registered, and the bytes a dispatch puts on the wire (the staged transport sends the fixed
-// worst case: max_tokens_per_rank rows to every peer, see nccl_group.cpp).
+// (GroupConfig::num_sms: no EP launch has more blocks; 0 = none: a fixed number of blocks drive the
+// link -- 64 in the zero-copy dispatch -- and the receive side takes every SM) and the most SMs a
+// launch can occupy, bytes registered, and the bytes a dispatch puts on the wire (the staged
+// transport sends the fixed worst case: max_tokens_per_rank rows to every peer, see nccl_group.cpp).
 //
 // dispatch_us / combine_us are eager (host launches included); dispatch_graph_us / combine_graph_us
 // the same ops replayed from a CUDA graph. fp8_dispatch_us (and _graph_us): the dispatch of an x

@@ -64,8 +64,9 @@ struct GroupConfig {
   int64_t recv_capacity_rows = 0;  // 0 = worst case (R * max_tokens * min(K, E/R) + padding)
   // SMs for the EP kernels. > 0: no EP launch has more blocks, so EP occupies at most this many SMs
   // and the rest stay free for work running beside it (NCCL's own kernels on the staged transport
-  // are NCCL's). 0 = auto: 32 blocks drive the link and the receive side (expansion, reduction,
-  // sums) takes every SM, the fastest where nothing runs beside EP.
+  // are NCCL's). 0 = auto: a fixed number of blocks drive the link (64 in the zero-copy dispatch,
+  // 32 elsewhere) and the receive side (expansion, reduction, sums) takes every SM, the fastest
+  // where nothing runs beside EP.
   int num_sms = 0;
   double timeout_s = 0;            // device/host waits; 0 = EPX_TIMEOUT_S or 10 s
   Transport transport = Transport::kAuto;  // for NCCL groups; see Transport
