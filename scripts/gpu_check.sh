@@ -4,7 +4,7 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [eptune] [layer] [profile]
+# usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
 #                            [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
@@ -173,24 +173,6 @@ if has epbench; then
     done
   fi
   grep -E 'dispatch' "$OUT/bench.jsonl"
-fi
-if has eptune; then
-  # The EP launch choices that are not yet the default, against the default in the same run: the EP
-  # tests with this rank's combine partials computed by the sum warps (EPX_COMBINE_LOCAL=inline), then
-  # bench_ep (T=4096 and 128, no SM budget) with and without it over a few sum-block counts
-  # (eptune.jsonl, each line tagged with its "knobs").
-  EPX_COMBINE_LOCAL=inline timeout --kill-after=10 180 "$BUILD/tests/epx_tests_gpu" --gtest_filter='Ep*:MoELayer*' \
-    >"$OUT/eptune_tests.log" 2>&1
-  summary "EP tests with EPX_COMBINE_LOCAL=inline: rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/eptune_tests.log" | tr '\n' ' ')"
-  : >"$OUT/eptune.jsonl"
-  for knobs in "X=default" "EPX_COMBINE_LOCAL=inline" "EPX_COMBINE_LOCAL=inline EPX_COMBINE_SUM_BLOCKS=66" \
-               "EPX_COMBINE_LOCAL=inline EPX_COMBINE_SUM_BLOCKS=198" "EPX_DISPATCH_SEND_BLOCKS=96"; do
-    for t in 4096 128; do
-      env $knobs timeout 60 "$BUILD/bin/bench_ep" --tokens "$t" --transport zerocopy --sms 0 2>>"$OUT/bench.err" |
-        grep 'dispatch+combine' | sed "s/^{/{\"knobs\":\"$knobs\",/" >>"$OUT/eptune.jsonl"
-    done
-  done
-  cut -c1-400 "$OUT/eptune.jsonl"
 fi
 if has layer; then
   if [ -z "${SKIP_DEMO:-}" ]; then

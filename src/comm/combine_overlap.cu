@@ -10,8 +10,6 @@
 //  - a sum warp takes one of this rank's tokens, waits (acquire, with the group's timeout) until the
 //    chunk holding each of its slots is complete on every rank it went to, then sums the partials
 //    in rank order (sum_partials, past L1);
-//    (EPX_COMBINE_LOCAL=inline: the partial of this rank is computed by the sum warp itself, with the
-//    same arithmetic, and never goes through the window);
 //  - a chunk is read by several sum warps (a chunk holds slots of scattered tokens), so nobody can
 //    take its count: the last block of the grid to finish (a ticket) zeroes this rank's counters,
 //    which every peer has finished bumping by then (each was waited for). The next op's
@@ -25,7 +23,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "comm/ep_device.cuh"
 #include "cuda/common/cuda_check.h"
@@ -35,12 +32,9 @@ namespace {
 
 // W warps per block: kWarps, three blocks per SM (register cap 85); kBudgetCombineWarps under an SM
 // budget, one block per SM with the same register cap.
-// LOCAL (EPX_COMBINE_LOCAL=inline): the sum warps compute this rank's own partials (a separate
-// instantiation, so the default kernel's registers are not shared with that path).
-template <class T, int N, int W, bool LOCAL>
+template <class T, int N, int W>
 __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     combine_overlap_kernel(const __grid_constant__ ReduceArgs a, int reduce_blocks) {
-  constexpr bool local_inline = LOCAL;
   __shared__ int32_t rows_s[W][kMaxK];
   __shared__ float w_s[W][kMaxK];
   __shared__ int32_t slot_s[W][kMaxR];
@@ -51,11 +45,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   if (static_cast<int>(blockIdx.x) < reduce_blocks) {
     int maxc = 0;
     for (int s = 0; s < R; ++s) maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
-    // Sources whose partials go through the windows: the other ranks first, then this one unless
-    // its sum warps compute its partials themselves (local_inline).
-    const int nsrc = local_inline ? R - 1 : R;
-    const int64_t span = static_cast<int64_t>(nsrc) * kArrivalChunk;  // slots of one chunk index
-    if (span == 0) maxc = 0;
+    const int64_t span = static_cast<int64_t>(R) * kArrivalChunk;  // slots of one chunk index
     for (int64_t q = static_cast<int64_t>(blockIdx.x) * W + warp; q < maxc * span;
          q += static_cast<int64_t>(reduce_blocks) * W) {
       const int c = static_cast<int>(q / span), within = static_cast<int>(q % span);
@@ -75,7 +65,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       if (lane == 0) {
         for (int d = 0; d < R && ok; ++d) {
           const int32_t sl = slot_s[warp][d];
-          if (sl < 0 || (local_inline && d == g.rank)) continue;
+          if (sl < 0) continue;
           const int c = sl / kArrivalChunk;
           ok = wait_arrivals(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)),
                              a.op_code);
@@ -83,15 +73,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       }
       __syncwarp();  // lane 0's acquire before every lane's reads
       ok = __shfl_sync(0xffffffffu, ok, 0);
-      LocalPartial local;
-      if constexpr (LOCAL) {
-        local.rows = rows_s[warp];
-        local.w = w_s[warp];
-        const int32_t sl = slot_s[warp][g.rank];  // warp-uniform
-        if (sl >= 0) local.n = slot_rows(a, g.rank, sl, lane, rows_s[warp], w_s[warp], local.row_lane);
-      }
-      // Computing a partial here takes registers: two vectors per lane at a time instead of four.
-      if (ok) sum_partials<T, N, LOCAL ? 2 : kSumUnroll>(a, t, lane, slot_s[warp], true, local);
+      if (ok) sum_partials<T, N>(a, t, lane, slot_s[warp], true);
     }
   }
   // The last block to finish zeroes this rank's counters (every arrival they count has landed).
@@ -108,27 +90,15 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   if (threadIdx.x == 0) *done_ticket(g) = 0u;
 }
 
-// EPX_COMBINE_LOCAL=inline: a rank's sum warps compute its own partials from the expert rows
-// instead of reading them back from its window (the reduce warps then only make the partials other
-// ranks need): 2 x partial bytes of HBM traffic less per own partial. Off by default until measured.
-bool combine_local_inline() {
-  static const bool on = [] {
-    const char* v = std::getenv("EPX_COMBINE_LOCAL");
-    return v != nullptr && std::strcmp(v, "inline") == 0;
-  }();
-  return on;
-}
-
-template <class T, int N, int W, bool LOCAL>
+template <class T, int N, int W>
 bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
-  const int cap = resident_blocks<combine_overlap_kernel<T, N, W, LOCAL>>(W * 32);
+  const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
   // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per
   // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token).
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
-  // With LOCAL the sums also compute this rank's partials: a block per SM (not yet measured).
-  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", LOCAL ? sms : std::max(1, sms / 2));
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
   // Under an SM budget (GroupConfig::num_sms): a third of it sums, the rest reduces.
   const DeviceGroup& g = a.g;
   const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget / 3)) : std::min(sum_blocks, cap - 1);
@@ -136,15 +106,14 @@ bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
   if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;
-  combine_overlap_kernel<T, N, W, LOCAL><<<reduce + sum, W * 32, 0, stream>>>(a, reduce);
+  combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(a, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");
   return true;
 }
 
 template <class T, int N>
 bool launch(const ReduceArgs& a, cudaStream_t stream) {
-  if (a.g.sm_budget > 0) return launch_warps<T, N, kBudgetCombineWarps, false>(a, stream);
-  return combine_local_inline() ? launch_warps<T, N, kWarps, true>(a, stream) : launch_warps<T, N, kWarps, false>(a, stream);
+  return a.g.sm_budget > 0 ? launch_warps<T, N, kBudgetCombineWarps>(a, stream) : launch_warps<T, N, kWarps>(a, stream);
 }
 
 }  // namespace

@@ -281,57 +281,6 @@ __device__ __forceinline__ void zero_padding_rows(const ExpandArgs& a, int j, in
 
 // ---- combine: partials out, partials summed -----------------------------------------------------
 
-// The rows of received slot `slot` of source s that live here (one warp): lane k < K reads the
-// slot's k-th row (returned, -1 when none); those that exist are compacted in slot order into rows_s,
-// their weights (row_weights, or 1) into w_s. Returns how many.
-__device__ __forceinline__ int slot_rows(const ReduceArgs& a, int s, int slot, int lane, int32_t* rows_s, float* w_s,
-                                         int32_t& row) {
-  row = lane < a.K ? a.recv_row[(static_cast<int64_t>(s) * a.g.max_tokens + slot) * a.K + lane] : -1;
-  const unsigned here = __ballot_sync(0xffffffffu, row >= 0);
-  if (row >= 0) {
-    const int at = __popc(here & ((1u << lane) - 1u));
-    rows_s[at] = row;
-    w_s[at] = a.row_weights ? a.row_weights[row] : 1.0f;
-  }
-  __syncwarp();
-  return __popc(here);
-}
-
-// acc[u] (vectors v0 + 32 u of a row) += the n compacted rows, weighted when row_weights is given,
-// in slot order. kReduceRows rows x U vectors of loads are issued before the first add (the loop is
-// load-latency bound otherwise); per element the rows still add in slot order.
-template <class T, int N, int U>
-__device__ __forceinline__ void add_rows(const ReduceArgs& a, const int32_t* rows_s, const float* w_s, int n, int64_t v0,
-                                         int64_t nvec, float (&acc)[U][N]) {
-  using P = Pack<T, N>;
-  const P* in = static_cast<const P*>(a.rows_in);
-  for (int k0 = 0; k0 < n; k0 += kReduceRows) {
-    P p[kReduceRows][U];
-#pragma unroll
-    for (int j = 0; j < kReduceRows; ++j) {
-      const int64_t base = static_cast<int64_t>(k0 + j < n ? rows_s[k0 + j] : 0) * nvec + v0;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (k0 + j < n && v0 + u * 32 < nvec) p[j][u] = in[base + u * 32];
-    }
-#pragma unroll
-    for (int j = 0; j < kReduceRows; ++j) {
-      if (k0 + j >= n) break;
-      const float wk = w_s[k0 + j];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (a.row_weights) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, cuda::to_float(p[j][u].v[i]), acc[u][i]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[j][u].v[i]);
-        }
-      }
-    }
-  }
-}
-
 // The expert-side partial of received slot `slot` of source s (one warp): sum over its K rows in
 // slot order of weight x row, into the source's mailbox; dispatch_backward's row-weight gradients
 // go into the slot's meta. rows_s / w_s: the warp's shared scratch.
@@ -341,17 +290,58 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   using P = Pack<T, N>;
   const DeviceGroup& g = a.g;
   const int64_t nvec = a.H / N;
-  int32_t row;
-  const int n = slot_rows(a, s, slot, lane, rows_s, w_s, row);
-  if (row >= 0 && a.row_scalars) out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+  int32_t row = -1;
+  float w = 1.0f;
+  if (lane < a.K) {
+    row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
+    if (row >= 0 && a.row_weights) w = a.row_weights[row];
+    if (row >= 0 && a.row_scalars) out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+  }
+  // The slots' rows that live here, compacted in slot order (the others add nothing).
+  const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
+  if (lane < a.K && row >= 0) {
+    const int at = __popc(here & ((1u << lane) - 1u));
+    rows_s[at] = row;
+    w_s[at] = w;
+  }
+  const int n = __popc(here);
+  __syncwarp();
+  const P* in = static_cast<const P*>(a.rows_in);
   P* dst = reinterpret_cast<P*>(out_row(g, s, slot, a.stride));
+  // kReduceUnroll vectors per lane of kReduceRows rows at a time: all their loads are issued before
+  // the first add (the loop is load-latency bound otherwise); per element the rows still add in
+  // slot order, so the sums are those of the plain loop.
   for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][N];
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
-    add_rows<T, N, kReduceUnroll>(a, rows_s, w_s, n, v0, nvec, acc);
+    for (int k0 = 0; k0 < n; k0 += kReduceRows) {
+      P p[kReduceRows][kReduceUnroll];
+#pragma unroll
+      for (int j = 0; j < kReduceRows; ++j) {
+        const int64_t base = static_cast<int64_t>(k0 + j < n ? rows_s[k0 + j] : 0) * nvec + v0;
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if (k0 + j < n && v0 + u * 32 < nvec) p[j][u] = in[base + u * 32];
+      }
+#pragma unroll
+      for (int j = 0; j < kReduceRows; ++j) {
+        if (k0 + j >= n) break;
+        const float wk = w_s[k0 + j];
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          if (a.row_weights) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, cuda::to_float(p[j][u].v[i]), acc[u][i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[j][u].v[i]);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
       if (v0 + u * 32 >= nvec) continue;
@@ -364,23 +354,10 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   __syncwarp();
 }
 
-// This rank's own partial of token t, computed where it is summed instead of going through the
-// window: the n rows of its slot here (slot_rows) and, for dispatch_backward, lane k's row
-// (row_lane) whose row-weight gradient the meta would have carried.
-struct LocalPartial {
-  const int32_t* rows = nullptr;  // null: every partial comes from the windows
-  const float* w = nullptr;
-  int n = 0;
-  int32_t row_lane = -1;
-};
-
 // The source-side sum of token t (one warp): out[t] = 0 + the partials of ranks 0, 1, ... that
-// hold its experts (slots[d] >= 0), and its top-k weight gradients from the partials' meta. With
-// `local.rows`, this rank's partial is computed here with reduce_partial's arithmetic (the same
-// fp32 sums, rounded to T), so the result is the same bits.
-template <class T, int N, int kSumUnroll = ep_device::kSumUnroll>
-__device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int lane, const int32_t* slots, bool cg,
-                                             const LocalPartial& local = {}) {
+// hold its experts (slots[d] >= 0), and its top-k weight gradients from the partials' meta.
+template <class T, int N>
+__device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int lane, const int32_t* slots, bool cg) {
   using P = Pack<T, N>;
   const DeviceGroup& g = a.g;
   const int64_t nvec = a.H / N;
@@ -389,13 +366,8 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
     float v = 0.0f;
     if (e >= 0) {
       const int d = e / g.Le;
-      if (local.rows && d == g.rank) {
-        v = local.row_lane >= 0 && a.row_scalars ? static_cast<float>(static_cast<double>(a.row_scalars[local.row_lane]))
-                                                 : 0.0f;
-      } else {
-        const double* wp = &in_meta(g, d, slots[d])[lane].weight;
-        v = static_cast<float>(cg ? __ldcg(wp) : *wp);
-      }
+      const double* wp = &in_meta(g, d, slots[d])[lane].weight;
+      v = static_cast<float>(cg ? __ldcg(wp) : *wp);
     }
     a.d_topk_weights[t * a.K + lane] = v;
   }
@@ -411,24 +383,11 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
     for (int d = 0; d < g.R; ++d) {
       const int32_t sl = slots[d];
       if (sl < 0) continue;
+      const P* src = reinterpret_cast<const P*>(in_row(g, d, sl, a.stride));
       P p[kSumUnroll];
-      if (local.rows && d == g.rank) {
-        float part[kSumUnroll][N];
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-          for (int i = 0; i < N; ++i) part[u][i] = 0.0f;
-        add_rows<T, N, kSumUnroll>(a, local.rows, local.w, local.n, v0, nvec, part);
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-#pragma unroll
-          for (int i = 0; i < N; ++i) p[u].v[i] = cuda::from_float<T>(part[u][i]);
-      } else {
-        const P* src = reinterpret_cast<const P*>(in_row(g, d, sl, a.stride));
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u)
-          if (v0 + u * 32 < nvec) p[u] = load_pack(src + v0 + u * 32, cg);
-      }
+      for (int u = 0; u < kSumUnroll; ++u)
+        if (v0 + u * 32 < nvec) p[u] = load_pack(src + v0 + u * 32, cg);
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u)
 #pragma unroll
