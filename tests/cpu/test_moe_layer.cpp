@@ -9,6 +9,8 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/random.h"
@@ -50,7 +52,6 @@ Tensor normal(Shape s, DType dt, uint64_t seed, uint64_t stream, double scale = 
   return t;
 }
 
-// One R-rank layer plus its inputs; loss(L) = sum_r <c_r, out_r> + aux + z.
 // The fp32 gradients `which` of a layer, one after the other.
 std::vector<float> flat_grads(const MoELayer& L, std::initializer_list<Tensor MoEParams::*> which) {
   std::vector<float> v;
@@ -60,6 +61,22 @@ std::vector<float> flat_grads(const MoELayer& L, std::initializer_list<Tensor Mo
   }
   return v;
 }
+
+// Microbatch A's forward and backward (input xa, loss weights ca), then B's, each overwriting the
+// gradients; `grads()` reads them after each backward.
+template <class Grads>
+std::pair<std::vector<float>, std::vector<float>> one_after_the_other(MoELayer& L, const Tensor& xa, const Tensor& ca,
+                                                                      const Tensor& xb, const Tensor& cb, Grads&& grads) {
+  Tensor out = Tensor::zeros(xa.shape(), xa.dtype()), dx = Tensor::zeros(xa.shape(), xa.dtype());
+  MoEContext a = L.forward(xa, out);
+  L.backward(a, ca, dx);
+  std::vector<float> ga = grads();
+  MoEContext b = L.forward(xb, out);
+  L.backward(b, cb, dx);
+  return {std::move(ga), grads()};
+}
+
+// One R-rank layer plus its inputs; loss(L) = sum_r <c_r, out_r> + aux + z.
 
 struct Rig {
   MoEConfig config;
@@ -308,13 +325,8 @@ TEST(MoELayer, InterleavedMicrobatchesKeepTheirOwnRouting) {
   run_ranks(rig.groups, [&](Group& g) {
     const int r = g.rank();
     MoELayer& L = *rig.layers[r];
+    std::tie(seq_a[r], seq_b[r]) = one_after_the_other(L, rig.x[r], rig.c[r], xb[r], cb[r], [&] { return grads_of(r); });
     Tensor out = Tensor::zeros({T, c.hidden}, c.dtype), dx = Tensor::zeros({T, c.hidden}, c.dtype);
-    MoEContext a = L.forward(rig.x[r], out);
-    L.backward(a, rig.c[r], dx);
-    seq_a[r] = grads_of(r);
-    MoEContext b = L.forward(xb[r], out);
-    L.backward(b, cb[r], dx);
-    seq_b[r] = grads_of(r);
     MoEContext a2 = L.forward(rig.x[r], out);
     MoEContext b2 = L.forward(xb[r], out);
     L.backward(b2, cb[r], dx);
@@ -348,13 +360,8 @@ TEST(MoELayer, AccumulatedGradientsAreTheSumOfTheMicrobatches) {
   run_ranks(rig.groups, [&](Group& g) {
     const int r = g.rank();
     MoELayer& L = *rig.layers[r];
+    std::tie(ga[r], gb[r]) = one_after_the_other(L, rig.x[r], rig.c[r], xb[r], cb[r], [&] { return grads_of(r); });
     Tensor out = Tensor::zeros({T, c.hidden}, c.dtype), dx = Tensor::zeros({T, c.hidden}, c.dtype);
-    MoEContext a = L.forward(rig.x[r], out);
-    L.backward(a, rig.c[r], dx);
-    ga[r] = grads_of(r);
-    MoEContext b = L.forward(xb[r], out);
-    L.backward(b, cb[r], dx);
-    gb[r] = grads_of(r);
     MoEContext a2 = L.forward(rig.x[r], out);
     L.backward(a2, rig.c[r], dx);
     MoEContext b2 = L.forward(xb[r], out);
