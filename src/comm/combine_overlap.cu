@@ -14,6 +14,9 @@
 //    take its count: the last block of the grid to finish (a ticket) zeroes this rank's counters,
 //    which every peer has finished bumping by then (each was waited for). The next op's
 //    before-write barrier orders the reset before any new arrival.
+//  - with fewer rows than warps (decode), each partial and each sum is split over up to kMaxPieces
+//    warps by ranges of its vectors (piece_range); each piece of a partial adds its share of the
+//    slot's kArrivalUnit, so the receiving side does not know the split;
 // Ranks wait on each other's reduce warps, so the whole grid must be resident (capped by the
 // occupancy). Results are bit-identical to the phased path: same partials, same order of sums.
 #include <cuda_bf16.h>
@@ -42,23 +45,33 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
   const int R = g.R;
+  const int64_t nvec = a.H / N;
   if (static_cast<int>(blockIdx.x) < reduce_blocks) {
     int maxc = 0;
-    for (int s = 0; s < R; ++s) maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
-    const int64_t span = static_cast<int64_t>(R) * kArrivalChunk;  // slots of one chunk index
-    for (int64_t q = static_cast<int64_t>(blockIdx.x) * W + warp; q < maxc * span;
-         q += static_cast<int64_t>(reduce_blocks) * W) {
-      const int c = static_cast<int>(q / span), within = static_cast<int>(q % span);
+    int64_t slots = 0;
+    for (int s = 0; s < R; ++s) {
+      maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
+      slots += a.recv_tokens[s];
+    }
+    // Work items fit in 32 bits: at most max_tokens x R x kMaxPieces.
+    const int warps = reduce_blocks * W;
+    const int pieces = pieces_for(slots, warps, nvec, a.max_pieces);
+    const int span = R * kArrivalChunk;  // slots of one chunk index
+    for (int q = blockIdx.x * W + warp; q < maxc * span * pieces; q += warps) {
+      const int item = q / pieces, piece = q % pieces;
+      const int c = item / span, within = item % span;
       const int s = (g.rank + 1 + within / kArrivalChunk) % R;
       const int slot = c * kArrivalChunk + within % kArrivalChunk;
       if (slot >= a.recv_tokens[s]) continue;  // warp-uniform
-      reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp]);
-      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), 1u);
+      reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, pieces, piece));
+      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
     }
   } else {
-    const int sum_blocks = gridDim.x - reduce_blocks;
-    for (int64_t t = static_cast<int64_t>(blockIdx.x - reduce_blocks) * W + warp; t < a.T;
-         t += static_cast<int64_t>(sum_blocks) * W) {
+    const int warps = (gridDim.x - reduce_blocks) * W;
+    const int pieces = pieces_for(a.T, warps, nvec, a.max_pieces);
+    for (int q = (blockIdx.x - reduce_blocks) * W + warp; q < a.T * pieces; q += warps) {
+      const int64_t t = q / pieces;
+      const int piece = q % pieces;
       for (int d = lane; d < R; d += 32) slot_s[warp][d] = a.token_slot[t * R + d];
       __syncwarp();
       int ok = 1;
@@ -73,7 +86,8 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       }
       __syncwarp();  // lane 0's acquire before every lane's reads
       ok = __shfl_sync(0xffffffffu, ok, 0);
-      if (ok) sum_partials<T, N>(a, t, lane, slot_s[warp], true);
+      if (ok)
+        sum_partials<T, N>(a, t, lane, slot_s[warp], true, piece_range(nvec, pieces, piece));
     }
   }
   // The last block to finish zeroes this rank's counters (every arrival they count has landed).
@@ -106,7 +120,11 @@ bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
   if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;
-  combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(a, reduce);
+  // Few rows: each partial and each sum over up to EPX_COMBINE_PIECES warps.
+  static const int max_pieces = overlap_knob("EPX_COMBINE_PIECES", kMaxPieces);
+  ReduceArgs ra = a;
+  ra.max_pieces = max_pieces;
+  combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");
   return true;
 }

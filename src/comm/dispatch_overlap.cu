@@ -6,7 +6,7 @@
 // the first blocks of the grid send and the others expand, in the same launch:
 //  - a send warp writes its token's row, scales and routing meta into each remote destination's
 //    window, then bumps the destination's arrival counter of that slot's chunk (kArrivalChunk slots
-//    of one source) with a system-scope release;
+//    of one source) by kArrivalUnit with a system-scope release;
 //  - an expand block takes chunk items (source, chunk) in an order that follows the senders (chunk
 //    index first), waits (acquire, with the group's timeout) until its remote chunk is complete,
 //    subtracts what it consumed (the counters are back at zero when the op ends, ready for the next
@@ -58,7 +58,7 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane) {
     if (lane == 0) {
       for (int d = 0; d < g.R; ++d) {
         const int32_t sl = slot_s[warp][d];
-        if (sl >= 0) red_release_sys_add(arrival(g, d, g.rank, sl / kArrivalChunk), 1u);
+        if (sl >= 0) red_release_sys_add(arrival(g, d, g.rank, sl / kArrivalChunk), kArrivalUnit);
       }
     }
     __syncwarp();
@@ -72,7 +72,7 @@ __device__ bool take_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
   __shared__ int ok_s;
   if (threadIdx.x == 0) {
     const bool ok = wait_arrivals(g, s, c, n, kOpDispatch);
-    if (ok) atomicSub(arrival(g, g.rank, s, c), n);
+    if (ok) atomicSub(arrival(g, g.rank, s, c), n * kArrivalUnit);
     ok_s = ok;
   }
   __syncthreads();
@@ -159,7 +159,9 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStr
   // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
   // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
   // Without a budget, 64 sender blocks (EPX_DISPATCH_SEND_BLOCKS; measured at T=4096, H=7168 on
-  // 2 x H200: 32 / 48 / 64 / 96 gave 257 / 229 / 228 / 235 us, the same 27 us at T=128).
+  // 2 x H200: 32 / 48 / 64 / 96 gave 257 / 229 / 228 / 235 us, the same 27 us at T=128). Splitting a
+  // token's row over several sender warps at T=128, as the combine splits its rows, did not help
+  // (2 / 4 / 8 warps per row: 27.5 / 27.9 / 28.5 us against 27.4).
   static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 25);
   static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
   const int link_blocks =

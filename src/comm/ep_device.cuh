@@ -42,6 +42,42 @@ __host__ __device__ inline size_t signal_area_bytes(int R, int max_tokens) {
   return inbox_bytes(R) + arrival_bytes(R, max_tokens) + sizeof(uint32_t);
 }
 
+// ---- splitting a row's work over several warps -------------------------------------------------
+
+// With few rows (decode), one warp per row leaves most of the GPU idle and runs one long chain of
+// dependent loads; the overlapped combine then gives each row to up to kMaxPieces warps, each
+// taking a contiguous range of its vectors (multiples of 32, one per lane). The per-element
+// arithmetic does not depend on the split, so results do not either.
+//
+// A slot counts kArrivalUnit on its chunk's arrival counter once complete: each of its `pieces`
+// writers adds kArrivalUnit / pieces after its own stores (a release), so the receiver waits for
+// n x kArrivalUnit without knowing how the writer split the rows, and no writer waits for another.
+constexpr int kMaxPieces = 8;
+constexpr uint32_t kArrivalUnit = 840;  // divisible by every piece count 1..8
+static_assert(kArrivalUnit % 5 == 0 && kArrivalUnit % 6 == 0 && kArrivalUnit % 7 == 0 && kArrivalUnit % 8 == 0,
+              "every piece count must divide the arrival unit");
+
+struct VecRange {
+  int64_t begin, end;
+};
+
+// Warps per row so that `rows` rows keep `warps` warps busy: 1..cap (<= kMaxPieces), no piece under
+// 32 vectors.
+__device__ __forceinline__ int pieces_for(int64_t rows, int64_t warps, int64_t nvec, int cap) {
+  if (rows <= 0) return 1;
+  int64_t p = warps / rows;
+  if (p > nvec / 32) p = nvec / 32;
+  if (p > cap) p = cap;
+  if (p > kMaxPieces) p = kMaxPieces;
+  return p < 1 ? 1 : static_cast<int>(p);
+}
+
+__device__ __forceinline__ VecRange piece_range(int64_t nvec, int pieces, int piece) {
+  const int64_t per = ((nvec + pieces - 1) / pieces + 31) / 32 * 32;
+  const int64_t begin = piece * per < nvec ? piece * per : nvec;
+  return VecRange{begin, begin + per < nvec ? begin + per : nvec};
+}
+
 __host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
   return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns};
 }
@@ -56,12 +92,13 @@ __device__ __forceinline__ uint32_t* arrival(const DeviceGroup& g, int dst, int 
   return reinterpret_cast<uint32_t*>(base + inbox_bytes(g.R)) + static_cast<int64_t>(src) * arrival_chunks(g.max_tokens) + c;
 }
 
-// Waits until this rank's arrival counter of chunk c of source s holds at least n (the group's
-// timeout; a wait that gives up names s in the status words as at a barrier). false: it gave up, or
-// the group was already broken; the chunk must not be read.
+// Waits until this rank's arrival counter of chunk c of source s says its first n slots are complete
+// (n x kArrivalUnit; the group's timeout; a wait that gives up names s in the status words as
+// at a barrier). false: it gave up, or the group was already broken; the chunk must not be read.
 __device__ __forceinline__ bool wait_arrivals(const DeviceGroup& g, int s, int c, uint32_t n, int op_code) {
   if (g.status[7] != 0) return false;
-  if (wait_for_word(arrival(g, g.rank, s, c), g.timeout_ns, 32, [n](uint32_t v) { return v >= n; })) return true;
+  const uint32_t want = n * kArrivalUnit;
+  if (wait_for_word(arrival(g, g.rank, s, c), g.timeout_ns, 32, [want](uint32_t v) { return v >= want; })) return true;
   record_missing_peer(g.status, s, op_code, *g.epoch);
   return false;
 }
@@ -145,6 +182,7 @@ struct ReduceArgs {
   int64_t stride;                // bytes per mailbox slot
   const int32_t* send_tokens;    // [R] (the overlapped combine: partials each rank sends back)
   int op_code;                   // kOpCombine or kOpDispatchBwd: what a timeout names
+  int max_pieces = 1;            // the overlapped combine: warps a row may be split over
 };
 
 // cg: a load past L1, for window areas peers write during the same launch (a line this SM cached
@@ -281,12 +319,13 @@ __device__ __forceinline__ void zero_padding_rows(const ExpandArgs& a, int j, in
 
 // ---- combine: partials out, partials summed -----------------------------------------------------
 
-// The expert-side partial of received slot `slot` of source s (one warp): sum over its K rows in
-// slot order of weight x row, into the source's mailbox; dispatch_backward's row-weight gradients
-// go into the slot's meta. rows_s / w_s: the warp's shared scratch.
+// The expert-side partial of received slot `slot` of source s (one warp), vectors r of it: sum over
+// its K rows in slot order of weight x row, into the source's mailbox; the piece that starts the row
+// puts dispatch_backward's row-weight gradients into the slot's meta. rows_s / w_s: the warp's
+// shared scratch.
 template <class T, int N>
 __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int slot, int lane, int32_t* rows_s,
-                                               float* w_s) {
+                                               float* w_s, VecRange r) {
   using P = Pack<T, N>;
   const DeviceGroup& g = a.g;
   const int64_t nvec = a.H / N;
@@ -295,7 +334,7 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   if (lane < a.K) {
     row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
     if (row >= 0 && a.row_weights) w = a.row_weights[row];
-    if (row >= 0 && a.row_scalars) out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+    if (row >= 0 && a.row_scalars && r.begin == 0) out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
   }
   // The slots' rows that live here, compacted in slot order (the others add nothing).
   const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
@@ -311,7 +350,7 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   // kReduceUnroll vectors per lane of kReduceRows rows at a time: all their loads are issued before
   // the first add (the loop is load-latency bound otherwise); per element the rows still add in
   // slot order, so the sums are those of the plain loop.
-  for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kReduceUnroll) {
+  for (int64_t v0 = r.begin + lane; v0 < r.end; v0 += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][N];
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u)
@@ -324,7 +363,7 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
         const int64_t base = static_cast<int64_t>(k0 + j < n ? rows_s[k0 + j] : 0) * nvec + v0;
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u)
-          if (k0 + j < n && v0 + u * 32 < nvec) p[j][u] = in[base + u * 32];
+          if (k0 + j < n && v0 + u * 32 < r.end) p[j][u] = in[base + u * 32];
       }
 #pragma unroll
       for (int j = 0; j < kReduceRows; ++j) {
@@ -344,7 +383,7 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
     }
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
-      if (v0 + u * 32 >= nvec) continue;
+      if (v0 + u * 32 >= r.end) continue;
       P o;
 #pragma unroll
       for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
@@ -354,14 +393,16 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   __syncwarp();
 }
 
-// The source-side sum of token t (one warp): out[t] = 0 + the partials of ranks 0, 1, ... that
-// hold its experts (slots[d] >= 0), and its top-k weight gradients from the partials' meta.
+// The source-side sum of token t (one warp), vectors r of it: out[t] = 0 + the partials of ranks 0,
+// 1, ... that hold its experts (slots[d] >= 0); the piece that starts the row also writes the
+// token's top-k weight gradients from the partials' meta.
 template <class T, int N>
-__device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int lane, const int32_t* slots, bool cg) {
+__device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int lane, const int32_t* slots, bool cg,
+                                             VecRange r) {
   using P = Pack<T, N>;
   const DeviceGroup& g = a.g;
   const int64_t nvec = a.H / N;
-  if (a.d_topk_weights && lane < a.K) {
+  if (a.d_topk_weights && lane < a.K && r.begin == 0) {
     const int32_t e = a.routed[t * a.K + lane];
     float v = 0.0f;
     if (e >= 0) {
@@ -374,7 +415,7 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
   P* out = static_cast<P*>(a.out) + t * nvec;
   // kSumUnroll vectors per lane at a time, R x kSumUnroll loads in flight; per element the ranks
   // still add in order.
-  for (int64_t v0 = lane; v0 < nvec; v0 += 32 * kSumUnroll) {
+  for (int64_t v0 = r.begin + lane; v0 < r.end; v0 += 32 * kSumUnroll) {
     float acc[kSumUnroll][N];
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u)
@@ -387,7 +428,7 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
       P p[kSumUnroll];
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u)
-        if (v0 + u * 32 < nvec) p[u] = load_pack(src + v0 + u * 32, cg);
+        if (v0 + u * 32 < r.end) p[u] = load_pack(src + v0 + u * 32, cg);
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u)
 #pragma unroll
@@ -395,7 +436,7 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
     }
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
-      if (v0 + u * 32 >= nvec) continue;
+      if (v0 + u * 32 >= r.end) continue;
       P o;
 #pragma unroll
       for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);

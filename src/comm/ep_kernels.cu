@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
   for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
     int s, slot;
     item_source(prefix, g.R, it, s, slot);
-    reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp]);
+    reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], VecRange{0, a.H / N});
   }
 }
 
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
     for (int d = lane; d < a.g.R; d += 32) slot_s[warp][d] = a.token_slot[t * a.g.R + d];
     __syncwarp();
-    sum_partials<T, N>(a, t, lane, slot_s[warp], false);
+    sum_partials<T, N>(a, t, lane, slot_s[warp], false, VecRange{0, a.H / N});
   }
 }
 
