@@ -129,6 +129,38 @@ TEST_P(EpNcclGpu, AdversarialRoutingOnOneGroup) {
   compare_all(empty_rank, groups);
 }
 
+// Decode-sized batches of model-sized rows: with fewer rows than warps the zero-copy combine (and
+// dispatch_backward) splits each partial and each sum over up to 8 warps by ranges of the row's
+// vectors. H = 7168 (bf16: 896 vectors, 8 pieces of 112; fp32: 1792), H = 7000 (875 vectors: the
+// last piece is empty but still counts its share of the arrival), H = 7001 (odd: element-wise
+// rows), skewed and masked routing, T = 0 on one rank; every output against the reference.
+TEST_P(EpNcclGpu, DecodeBatchesOfModelSizedRowsMatchReference) {
+  EPX_REQUIRE_GPUS(2);
+  EpCase b = base_case();
+  b.K = 8;
+  b.max_tokens = 32;
+  b.align = 16;
+  for (int64_t H : {int64_t{7168}, int64_t{7000}, int64_t{7001}}) {
+    EpCase c = b;
+    c.H = H;
+    auto groups = make(c);
+    for (DType payload : {DType::kBF16, DType::kF32}) {
+      c.payload = payload;
+      c.tokens.assign(c.ranks, 24);
+      c.zipf = 0;
+      c.seed = 11;
+      compare_all(c, groups);
+      c.zipf = 2;
+      c.mask_p = 0.3;
+      c.tokens[0] = 1;
+      c.tokens[c.ranks - 1] = 0;
+      c.seed = 12;
+      compare_all(c, groups);
+      c.mask_p = 0.1;
+    }
+  }
+}
+
 // fp8 rows with fp32 1x128 scales and with e8m0 MX scales travel together; every received byte
 // equals the reference's. (The staged transport sends only H + scale bytes per row.)
 TEST_P(EpNcclGpu, QuantizedDispatchMatchesReference) {
