@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   const DeviceGroup& g = a.g;
   const int R = g.R;
   const int64_t nvec = a.H / N;
+  const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
   if (static_cast<int>(blockIdx.x) < reduce_blocks) {
+    uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
     int maxc = 0;
     int64_t slots = 0;
     for (int s = 0; s < R; ++s) {
@@ -63,6 +65,10 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       const int s = (g.rank + 1 + within / kArrivalChunk) % R;
       const int slot = c * kArrivalChunk + within % kArrivalChunk;
       if (slot >= a.recv_tokens[s]) continue;  // warp-uniform
+      if (a.inline_barrier) {
+        if (lane == 0) wait_peer_ready(g, s, next, ready, a.op_code);
+        __syncwarp();  // lane 0's acquire before every lane's stores
+      }
       reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, pieces, piece));
       if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
     }
@@ -101,7 +107,10 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   uint32_t* counters = arrival(g, g.rank, 0, 0);
   const int words = R * arrival_chunks(g.max_tokens);
   for (int i = threadIdx.x; i < words; i += blockDim.x) counters[i] = 0u;
-  if (threadIdx.x == 0) *done_ticket(g) = 0u;
+  if (threadIdx.x == 0) {
+    *done_ticket(g) = 0u;
+    if (a.inline_barrier) *g.epoch = next;  // every block has read it
+  }
 }
 
 template <class T, int N, int W>

@@ -34,15 +34,17 @@ struct OverlapArgs {
   SendArgs send;
   ExpandArgs expand;
   int send_blocks;
+  bool inline_barrier;  // the op's opening barrier is in this launch (inline_barrier_begin)
 };
 
 // Senders: the phased send kernel's loop over tokens, remote destinations only, plus the arrival.
 template <class V, int W>
-__device__ void send_role(const OverlapArgs& oa, int warp, int lane) {
+__device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t next) {
   __shared__ int32_t slot_s[W][kMaxR];
   const SendArgs& a = oa.send;
   const DeviceGroup& g = a.g;
   const int64_t nw = static_cast<int64_t>(oa.send_blocks) * W;
+  uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     bool any = false;
     for (int d = 0; d < g.R; ++d) {
@@ -52,6 +54,12 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane) {
     }
     __syncwarp();
     if (!any) continue;
+    if (oa.inline_barrier) {
+      if (lane == 0)
+        for (int d = 0; d < g.R; ++d)
+          if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOpDispatch);
+      __syncwarp();  // lane 0's acquire before every lane's stores
+    }
     send_token<V>(a, t, lane, slot_s[warp]);
     // Every lane's stores of this token are ordered before lane 0's release (send_token ends with a
     // warp barrier).
@@ -142,16 +150,30 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
   }
 }
 
-// W warps per block (kWarps, or kBudgetDispatchWarps under an SM budget).
+// W warps per block (kWarps, or kBudgetDispatchWarps under an SM budget). kWarps blocks are held
+// to three per SM's registers (85; the kernel needs 80), so the launcher's resident cap keeps room
+// for 64 senders and two expand blocks per SM.
 template <class V, int W>
-__global__ void __launch_bounds__(W * 32) dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
+__global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1) dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane);
+  const DeviceGroup& g = a.send.g;
+  const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
+  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane, next);
   else expand_role<V, W>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
+  if (!a.inline_barrier) return;
+  // The last block to finish counts the op into the epoch (every block has read it by then).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(done_ticket(g), 1u) == gridDim.x - 1) {
+      *done_ticket(g) = 0u;
+      *g.epoch = next;
+    }
+  }
 }
 
 template <int W>
-bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStream_t stream) {
+bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool inline_barrier, cudaStream_t stream) {
   const DeviceGroup& g = sa.g;
   const int cap = vec ? resident_blocks<dispatch_overlap_kernel<uint4, W>>(W * 32)
                       : resident_blocks<dispatch_overlap_kernel<uint8_t, W>>(W * 32);
@@ -175,7 +197,7 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStr
   const int expand = static_cast<int>(std::min<int64_t>(
       {items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0), cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
-  OverlapArgs a{sa, ea, send};
+  OverlapArgs a{sa, ea, send, inline_barrier};
   if (vec) dispatch_overlap_kernel<uint4, W><<<send + expand, W * 32, 0, stream>>>(a);
   else dispatch_overlap_kernel<uint8_t, W><<<send + expand, W * 32, 0, stream>>>(a);
   EPX_CHECK_LAUNCH("dispatch_overlap_kernel");
@@ -200,10 +222,19 @@ bool overlapped_dispatch_enabled() {
   return on;
 }
 
-bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStream_t stream) {
+bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool inline_barrier,
+                                cudaStream_t stream) {
   if (sa.g.R > kMaxR || sa.K > kMaxK || ea.K != sa.K) return false;
-  return sa.g.sm_budget > 0 ? launch_dispatch<kBudgetDispatchWarps>(sa, ea, vec, stream)
-                            : launch_dispatch<kWarps>(sa, ea, vec, stream);
+  return sa.g.sm_budget > 0 ? launch_dispatch<kBudgetDispatchWarps>(sa, ea, vec, inline_barrier, stream)
+                            : launch_dispatch<kWarps>(sa, ea, vec, inline_barrier, stream);
+}
+
+bool inline_barrier_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EPX_EP_BARRIER");
+    return v != nullptr && std::strcmp(v, "inline") == 0;
+  }();
+  return on;
 }
 
 }  // namespace epx::comm::ep_device

@@ -108,6 +108,40 @@ __device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
                                      arrival_bytes(g.R, g.max_tokens));
 }
 
+// ---- the op's opening barrier inside the overlapped launch (EPX_EP_BARRIER=inline) -------------
+
+// Instead of a barrier launch before the op, one launch less: block 0 signals every peer that this
+// rank is at op `next` (its previous op has ended, so it no longer reads what peers wrote for it),
+// and each writer waits, before its first store into peer p's window, until p has signalled `next`
+// too (a rank waits only for the peers it writes to; each of those waits for it in turn before
+// writing back). The last block of the launch to finish counts the op into the epoch. Every block
+// reads the epoch at its start, before that.
+__device__ __forceinline__ uint32_t inline_barrier_begin(const DeviceGroup& g) {
+  __shared__ uint32_t next_s;
+  if (threadIdx.x == 0) {
+    next_s = *g.epoch + 1;
+    if (blockIdx.x == 0) {
+      __threadfence_system();
+      for (int p = 0; p < g.R; ++p)
+        if (p != g.rank) store_release_sys(g.peer_inbox[p] + g.rank, next_s);
+    }
+  }
+  __syncthreads();
+  return next_s;
+}
+
+// Lane 0 of a writer warp, before its first store into peer p's window: waits (the group's timeout)
+// until p has signalled op `next`; `ready` holds the peers already seen. A wait that gives up names
+// p in the status words, as at a barrier; a broken group does not wait.
+__device__ __forceinline__ void wait_peer_ready(const DeviceGroup& g, int p, uint32_t next, uint64_t& ready,
+                                                int op_code) {
+  if (p == g.rank || (ready >> p & 1u)) return;
+  ready |= uint64_t{1} << p;
+  if (g.status[7] != 0) return;
+  auto arrived = [next](uint32_t v) { return static_cast<int32_t>(v - next) >= 0; };  // wrap-safe
+  if (!wait_for_word(g.my_inbox + p, g.timeout_ns, 64, arrived)) record_missing_peer(g.status, p, op_code, next);
+}
+
 // ---- mailboxes and the receive area ----------------------------------------------------------
 
 // Slot `slot` of the rows this rank writes for peer p.
@@ -183,6 +217,7 @@ struct ReduceArgs {
   const int32_t* send_tokens;    // [R] (the overlapped combine: partials each rank sends back)
   int op_code;                   // kOpCombine or kOpDispatchBwd: what a timeout names
   int max_pieces = 1;            // the overlapped combine: warps a row may be split over
+  bool inline_barrier = false;   // the overlapped combine: the op's opening barrier is in its launch
 };
 
 // cg: a load past L1, for window areas peers write during the same launch (a line this SM cached
@@ -479,6 +514,11 @@ bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, cudaS
 bool overlapped_dispatch_enabled();
 /// Launches it after the before-write barrier; false (nothing launched) where the grid could not be
 /// resident at once or the shape is outside its limits, then the caller runs the phased path.
-bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, cudaStream_t stream);
+/// inline_barrier: the launch holds the op's opening barrier (inline_barrier_begin), so the caller
+/// must not have run one.
+bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool inline_barrier,
+                                cudaStream_t stream);
+/// Whether EPX_EP_BARRIER=inline asks the overlapped launches to hold their op's opening barrier.
+bool inline_barrier_enabled();
 
 }  // namespace epx::comm::ep_device

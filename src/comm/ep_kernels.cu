@@ -477,11 +477,13 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   ea.scale_bytes = sa.scale_bytes;
   ea.out_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
   ea.stride = sa.stride;
+  // Zero-copy: send and expand in one launch, the expansion overlapping the transfer; with
+  // EPX_EP_BARRIER=inline the opening barrier is in that launch too.
+  const bool overlapped = link.device_barriers() && overlapped_dispatch_enabled();
+  const bool vec_out = vec && aligned16(ea.out);
+  if (overlapped && inline_barrier_enabled() && launch_overlapped_dispatch(sa, ea, vec_out, true, s)) return;
   link.before_write(g, kOpDispatch, s);
-  // Zero-copy: send and expand in one launch, the expansion overlapping the transfer.
-  if (link.device_barriers() && overlapped_dispatch_enabled() &&
-      launch_overlapped_dispatch(sa, ea, vec && aligned16(ea.out), s))
-    return;
+  if (overlapped && launch_overlapped_dispatch(sa, ea, vec_out, false, s)) return;
   launch_send_rows(sa, h.num_tokens, vec, s);
   Delivery d;
   d.op_code = kOpDispatch;
@@ -522,11 +524,16 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     using T = decltype(tag);
     constexpr int N = 16 / sizeof(T);
     const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && a.stride % 16 == 0;
+    // Zero-copy: partials and sums in one launch, the sums overlapping the transfer; with
+    // EPX_EP_BARRIER=inline the opening barrier is in that launch too.
+    const bool overlapped = link.device_barriers() && overlapped_combine_enabled();
+    if (overlapped && inline_barrier_enabled()) {
+      ReduceArgs ia = a;
+      ia.inline_barrier = true;
+      if (launch_overlapped_combine(ia, rows_in.dtype(), vec, s)) return;
+    }
     link.before_write(g, op_code, s);
-    // Zero-copy: partials and sums in one launch, the sums overlapping the transfer.
-    if (link.device_barriers() && overlapped_combine_enabled() &&
-        launch_overlapped_combine(a, rows_in.dtype(), vec, s))
-      return;
+    if (overlapped && launch_overlapped_combine(a, rows_in.dtype(), vec, s)) return;
     // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
     // traffic it issues is one row per partial).
     const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, budget_blocks(g, cuda::sm_count() * 4));
