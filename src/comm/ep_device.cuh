@@ -10,6 +10,7 @@
 #include "cuda/common/dtype_cuda.cuh"
 
 #include "comm/ep_kernels.h"
+#include "comm/row_pieces.h"
 #include "comm/signal.cuh"
 
 namespace epx::comm::ep_device {
@@ -40,42 +41,6 @@ __host__ __device__ inline size_t arrival_bytes(int R, int max_tokens) {
 // After the counters: the ticket with which the last block of an overlapped combine knows it is last.
 __host__ __device__ inline size_t signal_area_bytes(int R, int max_tokens) {
   return inbox_bytes(R) + arrival_bytes(R, max_tokens) + sizeof(uint32_t);
-}
-
-// ---- splitting a row's work over several warps -------------------------------------------------
-
-// With few rows (decode), one warp per row leaves most of the GPU idle and runs one long chain of
-// dependent loads; the overlapped combine then gives each row to up to kMaxPieces warps, each
-// taking a contiguous range of its vectors (multiples of 32, one per lane). The per-element
-// arithmetic does not depend on the split, so results do not either.
-//
-// A slot counts kArrivalUnit on its chunk's arrival counter once complete: each of its `pieces`
-// writers adds kArrivalUnit / pieces after its own stores (a release), so the receiver waits for
-// n x kArrivalUnit without knowing how the writer split the rows, and no writer waits for another.
-constexpr int kMaxPieces = 8;
-constexpr uint32_t kArrivalUnit = 840;  // divisible by every piece count 1..8
-static_assert(kArrivalUnit % 5 == 0 && kArrivalUnit % 6 == 0 && kArrivalUnit % 7 == 0 && kArrivalUnit % 8 == 0,
-              "every piece count must divide the arrival unit");
-
-struct VecRange {
-  int64_t begin, end;
-};
-
-// Warps per row so that `rows` rows keep `warps` warps busy: 1..cap (<= kMaxPieces), no piece under
-// 32 vectors.
-__device__ __forceinline__ int pieces_for(int64_t rows, int64_t warps, int64_t nvec, int cap) {
-  if (rows <= 0) return 1;
-  int64_t p = warps / rows;
-  if (p > nvec / 32) p = nvec / 32;
-  if (p > cap) p = cap;
-  if (p > kMaxPieces) p = kMaxPieces;
-  return p < 1 ? 1 : static_cast<int>(p);
-}
-
-__device__ __forceinline__ VecRange piece_range(int64_t nvec, int pieces, int piece) {
-  const int64_t per = ((nvec + pieces - 1) / pieces + 31) / 32 * 32;
-  const int64_t begin = piece * per < nvec ? piece * per : nvec;
-  return VecRange{begin, begin + per < nvec ? begin + per : nvec};
 }
 
 __host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {

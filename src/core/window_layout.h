@@ -13,13 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/host_device.h"
 #include "epx/comm.h"
-
-#if defined(__CUDACC__)
-#define EPX_HOST_DEVICE __host__ __device__
-#else
-#define EPX_HOST_DEVICE
-#endif
 
 namespace epx {
 

@@ -1,0 +1,55 @@
+// How the zero-copy combine splits a row over warps at decode sizes (comm/row_pieces.h): the
+// pieces of a row cover its vectors exactly once, in order, each starting on a multiple of 32, and
+// every piece count divides the arrival unit, so the shares of a slot add up to one unit. Pure
+// index arithmetic, so it runs everywhere; the GPU suites check the combine's results.
+#include <gtest/gtest.h>
+
+#include "comm/row_pieces.h"
+
+namespace epx::comm {
+namespace {
+
+TEST(RowPieces, PiecesOfARowCoverItOnceInOrder) {
+  for (int64_t nvec = 0; nvec <= 2100; ++nvec)
+    for (int pieces = 1; pieces <= kMaxPieces; ++pieces) {
+      int64_t next = 0;
+      for (int piece = 0; piece < pieces; ++piece) {
+        const VecRange r = piece_range(nvec, pieces, piece);
+        ASSERT_EQ(r.begin, next) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
+        ASSERT_LE(r.begin, r.end) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
+        if (r.begin < nvec) ASSERT_EQ(r.begin % 32, 0) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
+        next = r.end;
+      }
+      ASSERT_EQ(next, nvec) << "nvec " << nvec << " pieces " << pieces;
+      EXPECT_EQ(piece_range(nvec, pieces, 0).begin, 0);  // the piece that writes a slot's meta
+    }
+}
+
+TEST(RowPieces, ModelRowsSplitIntoEightPiecesOfWholeWarps) {
+  // H = 7168: bf16 rows are 896 16-byte vectors, 8 pieces of 112 rounded to 128: 7 full, 1 short.
+  EXPECT_EQ(piece_range(896, 8, 0).end, 128);
+  EXPECT_EQ(piece_range(896, 8, 6).end, 896);
+  EXPECT_EQ(piece_range(896, 8, 7).begin, 896);
+  EXPECT_EQ(piece_range(896, 8, 7).end, 896);  // empty, yet it adds its share of the arrival
+}
+
+TEST(RowPieces, PieceCountFollowsTheIdleWarps) {
+  EXPECT_EQ(pieces_for(256, 3168, 896, kMaxPieces), 8);   // T=128 on 2 ranks: ~256 partials
+  EXPECT_EQ(pieces_for(8160, 3168, 896, kMaxPieces), 1);  // T=4096: more rows than warps
+  EXPECT_EQ(pieces_for(256, 3168, 896, 2), 2);            // EPX_COMBINE_PIECES caps it
+  EXPECT_EQ(pieces_for(100, 250, 896, kMaxPieces), 2);    // whole warps only
+  EXPECT_EQ(pieces_for(1, 3168, 12, kMaxPieces), 1);      // a row of 12 vectors: no piece under 32
+  EXPECT_EQ(pieces_for(1, 3168, 64, kMaxPieces), 2);
+  EXPECT_EQ(pieces_for(0, 3168, 896, kMaxPieces), 1);     // nothing to do
+  EXPECT_EQ(pieces_for(5, 0, 896, kMaxPieces), 1);
+}
+
+TEST(RowPieces, EveryPieceCountDividesTheArrivalUnit) {
+  for (int pieces = 1; pieces <= kMaxPieces; ++pieces) {
+    EXPECT_EQ(kArrivalUnit % pieces, 0u) << pieces;
+    EXPECT_EQ(kArrivalUnit / pieces * pieces, kArrivalUnit) << pieces;
+  }
+}
+
+}  // namespace
+}  // namespace epx::comm
