@@ -154,7 +154,8 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
 // to three per SM's registers (85; the kernel needs 80), so the launcher's resident cap keeps room
 // for 64 senders and two expand blocks per SM.
 template <class V, int W>
-__global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1) dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
+__global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
+    dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.send.g;
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;

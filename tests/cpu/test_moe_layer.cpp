@@ -261,53 +261,55 @@ TEST(MoELayerGrad, FiniteDifferencesFp64EveryOption) {
     }
 }
 
-// R simulated ranks against one rank holding every expert and every token (fp32).
+// R simulated ranks (4, and 8: one expert per rank) against one rank holding every expert and
+// every token (fp32).
 TEST(MoELayer, RanksMatchSingleRank) {
-  for (const Variant& v : variants()) {
-    if (v.name == "relu2_sequence_aux") continue;  // sequence statistics are rank-local by design
-    if (v.name.rfind("capacity", 0) == 0) continue;  // capacity is per source rank: T differs
-    SCOPED_TRACE(v.name);
-    MoEConfig c = base_config(DType::kF32);
-    v.apply(c);
-    const int R = 4;
-    const int64_t T = 6;
-    Rig many(c, R, T, 5);
-    Rig one(c, 1, T * R, 5);
-    for (int r = 0; r < R; ++r)
-      for (int64_t i = 0; i < T * c.hidden; ++i) {
-        one.x[0].ptr<float>()[r * T * c.hidden + i] = many.x[r].ptr<float>()[i];
-        one.c[0].ptr<float>()[r * T * c.hidden + i] = many.c[r].ptr<float>()[i];
-      }
-    if (c.router.use_expert_bias)
-      for (int r = 0; r < R; ++r) copy(one.layers[0]->params().expert_bias, many.layers[r]->params().expert_bias);
-    std::vector<Tensor> dx_many, dx_one;
-    const double l_many = many.run(true, &dx_many), l_one = one.run(true, &dx_one);
-    EXPECT_NEAR(l_many, l_one, 1e-4 * (1 + std::fabs(l_one)));
-    for (int r = 0; r < R; ++r)
-      for (int64_t i = 0; i < T * c.hidden; ++i)
-        ASSERT_NEAR(dx_many[r].ptr<float>()[i], dx_one[0].ptr<float>()[r * T * c.hidden + i], 1e-5) << "d_x rank " << r;
-    // Expert gradients: rank r's local experts are the slice of the single rank's.
-    const int64_t Le = c.router.num_experts / R;
-    for (int r = 0; r < R; ++r)
-      for (auto which : {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::b_in}) {
-        const Tensor& gm = many.layers[r]->grads().*which;
-        if (!gm.defined()) continue;
+  for (const Variant& v : variants())
+    for (int R : {4, 8}) {
+      if (v.name == "relu2_sequence_aux") continue;  // sequence statistics are rank-local by design
+      if (v.name.rfind("capacity", 0) == 0) continue;  // capacity is per source rank: T differs
+      SCOPED_TRACE(v.name + " R=" + std::to_string(R));
+      MoEConfig c = base_config(DType::kF32);
+      v.apply(c);
+      const int64_t T = 6;
+      Rig many(c, R, T, 5);
+      Rig one(c, 1, T * R, 5);
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < T * c.hidden; ++i) {
+          one.x[0].ptr<float>()[r * T * c.hidden + i] = many.x[r].ptr<float>()[i];
+          one.c[0].ptr<float>()[r * T * c.hidden + i] = many.c[r].ptr<float>()[i];
+        }
+      if (c.router.use_expert_bias)
+        for (int r = 0; r < R; ++r) copy(one.layers[0]->params().expert_bias, many.layers[r]->params().expert_bias);
+      std::vector<Tensor> dx_many, dx_one;
+      const double l_many = many.run(true, &dx_many), l_one = one.run(true, &dx_one);
+      EXPECT_NEAR(l_many, l_one, 1e-4 * (1 + std::fabs(l_one)));
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < T * c.hidden; ++i)
+          ASSERT_NEAR(dx_many[r].ptr<float>()[i], dx_one[0].ptr<float>()[r * T * c.hidden + i], 1e-5)
+              << "d_x rank " << r;
+      // Expert gradients: rank r's local experts are the slice of the single rank's.
+      const int64_t Le = c.router.num_experts / R;
+      for (int r = 0; r < R; ++r)
+        for (auto which : {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::b_in}) {
+          const Tensor& gm = many.layers[r]->grads().*which;
+          if (!gm.defined()) continue;
+          const Tensor& g1 = one.layers[0]->grads().*which;
+          const int64_t per = gm.numel() / Le;
+          for (int64_t i = 0; i < gm.numel(); ++i)
+            ASSERT_NEAR(gm.ptr<float>()[i], g1.ptr<float>()[r * Le * per + i], 1e-5) << "expert grad rank " << r;
+        }
+      // Replicated parameters: the single rank's gradient is the sum over ranks.
+      for (auto which : {&MoEParams::gate, &MoEParams::shared_w_in, &MoEParams::shared_w_out}) {
         const Tensor& g1 = one.layers[0]->grads().*which;
-        const int64_t per = gm.numel() / Le;
-        for (int64_t i = 0; i < gm.numel(); ++i)
-          ASSERT_NEAR(gm.ptr<float>()[i], g1.ptr<float>()[r * Le * per + i], 1e-5) << "expert grad rank " << r;
-      }
-    // Replicated parameters: the single rank's gradient is the sum over ranks.
-    for (auto which : {&MoEParams::gate, &MoEParams::shared_w_in, &MoEParams::shared_w_out}) {
-      const Tensor& g1 = one.layers[0]->grads().*which;
-      if (!g1.defined()) continue;
-      for (int64_t i = 0; i < g1.numel(); ++i) {
-        double s = 0;
-        for (int r = 0; r < R; ++r) s += (many.layers[r]->grads().*which).ptr<float>()[i];
-        ASSERT_NEAR(s, g1.ptr<float>()[i], 1e-5);
+        if (!g1.defined()) continue;
+        for (int64_t i = 0; i < g1.numel(); ++i) {
+          double s = 0;
+          for (int r = 0; r < R; ++r) s += (many.layers[r]->grads().*which).ptr<float>()[i];
+          ASSERT_NEAR(s, g1.ptr<float>()[i], 1e-5);
+        }
       }
     }
-  }
 }
 
 // Two microbatches in flight on one layer (forward A, forward B, backward B, backward A) give the
