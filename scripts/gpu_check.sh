@@ -4,8 +4,8 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [layer] [profile]
-#                            [python] [pip] [pybench] [jaxbench]
+# usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [eptrace] [layer]
+#                            [profile] [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -23,6 +23,8 @@
 # default budget of 32 SMs on both transports, without a budget (--sms 0), and staged with exact sizes.
 # EPX_* variables reach every step: `EPX_EP_BARRIER=inline scripts/gpu_check.sh build tests mptests`
 # runs the suites with the EP ops' opening barrier inside their launches.
+# eptrace (2+ GPUs) traces bench_ep at EPTRACE_TOKENS tokens (default 128) with Nsight Systems and
+# writes per-kernel and timeline CSVs (eptrace_*.csv).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
 # ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
@@ -214,6 +216,23 @@ if has profile; then
   EPX_PROFILE=1 timeout 300 "$BUILD/bin/epx" bench layer --preset "${PROFILE_PRESET:-deepseek-v3,mixtral}" --iters 5 \
     >"$OUT/profile.jsonl" 2>"$OUT/profile.err" || summary "profile failed rc=$?"
   cat "$OUT/profile.jsonl"
+fi
+if has eptrace; then
+  # Where decode-sized EP ops spend their time: an Nsight Systems trace of bench_ep at EPTRACE_TOKENS
+  # (default 128) tokens, summarised per kernel and as the GPU timeline (launch gaps included).
+  if command -v nsys >/dev/null 2>&1; then
+    timeout 240 nsys profile --trace cuda -f true -o "$OUT/eptrace" "$BUILD/bin/bench_ep" \
+      --tokens "${EPTRACE_TOKENS:-128}" --transport zerocopy --sms 0 >"$OUT/eptrace.run.log" 2>&1 ||
+      summary "eptrace: nsys rc=$?"
+    for report in cuda_gpu_kern_sum cuda_gpu_trace; do
+      nsys stats --report "$report" --format csv --output "$OUT/eptrace" "$OUT/eptrace.nsys-rep" \
+        >>"$OUT/eptrace.stats.log" 2>&1 || summary "eptrace: nsys stats $report failed"
+    done
+    rm -f "$OUT/eptrace.nsys-rep" "$OUT/eptrace.sqlite"
+    summary "eptrace: $(ls "$OUT"/eptrace_*.csv 2>/dev/null | wc -l) CSV reports"
+  else
+    summary "eptrace: nsys not found"
+  fi
 fi
 if has python; then
   PYTHONPATH=$PWD/$BUILD/python PYTHONUNBUFFERED=1 timeout 540 python3 -m pytest -q -rs -p no:cacheprovider \
