@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
 }
 
 template <class T, int N, int W>
-bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
+bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
@@ -133,14 +133,16 @@ bool launch_warps(const ReduceArgs& a, cudaStream_t stream) {
   static const int max_pieces = overlap_knob("EPX_COMBINE_PIECES", kMaxPieces);
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
+  ra.inline_barrier = inline_barrier;
   combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");
   return true;
 }
 
 template <class T, int N>
-bool launch(const ReduceArgs& a, cudaStream_t stream) {
-  return a.g.sm_budget > 0 ? launch_warps<T, N, kBudgetCombineWarps>(a, stream) : launch_warps<T, N, kWarps>(a, stream);
+bool launch(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
+  return a.g.sm_budget > 0 ? launch_warps<T, N, kBudgetCombineWarps>(a, inline_barrier, stream)
+                           : launch_warps<T, N, kWarps>(a, inline_barrier, stream);
 }
 
 }  // namespace
@@ -150,12 +152,14 @@ bool overlapped_combine_enabled() {
   return on;
 }
 
-bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, cudaStream_t stream) {
+bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, bool inline_barrier, cudaStream_t stream) {
   if (a.g.R > kMaxR || a.K > kMaxK || a.send_tokens == nullptr) return false;
+  const bool ib = inline_barrier;
   switch (dtype) {
-    case DType::kF32: return vec ? launch<float, 4>(a, stream) : launch<float, 1>(a, stream);
-    case DType::kBF16: return vec ? launch<__nv_bfloat16, 8>(a, stream) : launch<__nv_bfloat16, 1>(a, stream);
-    case DType::kF16: return vec ? launch<__half, 8>(a, stream) : launch<__half, 1>(a, stream);
+    case DType::kF32: return vec ? launch<float, 4>(a, ib, stream) : launch<float, 1>(a, ib, stream);
+    case DType::kBF16:
+      return vec ? launch<__nv_bfloat16, 8>(a, ib, stream) : launch<__nv_bfloat16, 1>(a, ib, stream);
+    case DType::kF16: return vec ? launch<__half, 8>(a, ib, stream) : launch<__half, 1>(a, ib, stream);
     default: return false;
   }
 }

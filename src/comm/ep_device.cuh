@@ -102,9 +102,7 @@ __device__ __forceinline__ void wait_peer_ready(const DeviceGroup& g, int p, uin
                                                 int op_code) {
   if (p == g.rank || (ready >> p & 1u)) return;
   ready |= uint64_t{1} << p;
-  if (g.status[7] != 0) return;
-  auto arrived = [next](uint32_t v) { return static_cast<int32_t>(v - next) >= 0; };  // wrap-safe
-  if (!wait_for_word(g.my_inbox + p, g.timeout_ns, 64, arrived)) record_missing_peer(g.status, p, op_code, next);
+  if (g.status[7] == 0) wait_for_peer(signal_of(g), p, next, op_code);
 }
 
 // ---- mailboxes and the receive area ----------------------------------------------------------
@@ -334,7 +332,8 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   if (lane < a.K) {
     row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
     if (row >= 0 && a.row_weights) w = a.row_weights[row];
-    if (row >= 0 && a.row_scalars && r.begin == 0) out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+    if (row >= 0 && a.row_scalars && r.begin == 0)
+      out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
   }
   // The slots' rows that live here, compacted in slot order (the others add nothing).
   const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
@@ -471,9 +470,10 @@ constexpr int kBudgetDispatchWarps = 16;
 constexpr int kBudgetCombineWarps = 24;
 
 /// The overlapped zero-copy combine and dispatch_backward (combine_overlap.cu), EPX_COMBINE_KERNEL=phased
-/// turns it off; launched after the before-write barrier, false (nothing launched) as above.
+/// turns it off; launched after the before-write barrier, or holding it (inline_barrier, as the
+/// dispatch below), false (nothing launched) as above.
 bool overlapped_combine_enabled();
-bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, cudaStream_t stream);
+bool launch_overlapped_combine(const ReduceArgs& a, DType dtype, bool vec, bool inline_barrier, cudaStream_t stream);
 
 /// The overlapped zero-copy dispatch (dispatch_overlap.cu): EPX_DISPATCH_KERNEL=phased turns it off.
 bool overlapped_dispatch_enabled();

@@ -493,7 +493,7 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   d.recv_slots = counts_or_null(h.host_recv_tokens);
   link.deliver(g, d, s);
   const int expand_grid = receive_grid(g);
-  if (vec && aligned16(ea.out)) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
+  if (vec_out) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
   else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);
   EPX_CHECK_LAUNCH("expand_rows_kernel");
 }
@@ -527,13 +527,9 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     // Zero-copy: partials and sums in one launch, the sums overlapping the transfer; with
     // EPX_EP_BARRIER=inline the opening barrier is in that launch too.
     const bool overlapped = link.device_barriers() && overlapped_combine_enabled();
-    if (overlapped && inline_barrier_enabled()) {
-      ReduceArgs ia = a;
-      ia.inline_barrier = true;
-      if (launch_overlapped_combine(ia, rows_in.dtype(), vec, s)) return;
-    }
+    if (overlapped && inline_barrier_enabled() && launch_overlapped_combine(a, rows_in.dtype(), vec, true, s)) return;
     link.before_write(g, op_code, s);
-    if (overlapped && launch_overlapped_combine(a, rows_in.dtype(), vec, s)) return;
+    if (overlapped && launch_overlapped_combine(a, rows_in.dtype(), vec, false, s)) return;
     // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
     // traffic it issues is one row per partial).
     const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, budget_blocks(g, cuda::sm_count() * 4));

@@ -59,6 +59,13 @@ __device__ __forceinline__ bool wait_for_word(const uint32_t* word, uint64_t tim
   return true;
 }
 
+/// Waits until peer p has signalled barrier number `next` (wrap-safe); a wait that gives up records
+/// p as missing at op_code.
+__device__ __forceinline__ void wait_for_peer(const SignalArgs& a, int p, uint32_t next, int op_code) {
+  auto arrived = [next](uint32_t v) { return static_cast<int32_t>(v - next) >= 0; };
+  if (!wait_for_word(a.my_inbox + p, a.timeout_ns, 64, arrived)) record_missing_peer(a.status, p, op_code, next);
+}
+
 /// Called by every thread of ONE block; returns when all peers arrived (or the wait gave up).
 __device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code) {
   __shared__ uint32_t next_s;
@@ -69,13 +76,9 @@ __device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code) 
   __threadfence_system();  // this rank's earlier writes into peers' windows before the signal
   for (int p = threadIdx.x; p < a.R; p += blockDim.x)
     if (p != a.rank) store_release_sys(a.peer_inbox[p] + a.rank, next);
-  if (!broken) {
-    for (int p = threadIdx.x; p < a.R; p += blockDim.x) {
-      if (p == a.rank) continue;
-      auto arrived = [next](uint32_t v) { return static_cast<int32_t>(v - next) >= 0; };  // wrap-safe
-      if (!wait_for_word(a.my_inbox + p, a.timeout_ns, 64, arrived)) record_missing_peer(a.status, p, op_code, next);
-    }
-  }
+  if (!broken)
+    for (int p = threadIdx.x; p < a.R; p += blockDim.x)
+      if (p != a.rank) wait_for_peer(a, p, next, op_code);
   __syncthreads();
   if (threadIdx.x == 0) *a.epoch = next;
   __threadfence_system();
