@@ -21,8 +21,9 @@
 # picks which of its four runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
 # dispatch/combine at those token counts only (H=7168, E=256), on every local GPU: bench_ep with its
 # default budget of 32 SMs on both transports, without a budget (--sms 0), and staged with exact sizes.
-# EPX_* variables reach every step: `EPX_EP_BARRIER=inline scripts/gpu_check.sh build tests mptests`
-# runs the suites with the EP ops' opening barrier inside their launches.
+# EPX_* variables reach every step: `EPX_EP_BARRIER=launch scripts/gpu_check.sh build tests mptests`
+# runs the suites with the EP ops' opening barrier in a launch of its own (the default holds it inside
+# the op's launch).
 # eptrace (2+ GPUs) traces bench_ep at EPTRACE_TOKENS tokens (default 128) with Nsight Systems and
 # writes per-kernel and timeline CSVs (eptrace_*.csv).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its

@@ -233,7 +233,7 @@ bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool v
 bool inline_barrier_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("EPX_EP_BARRIER");
-    return v != nullptr && std::strcmp(v, "inline") == 0;
+    return v == nullptr || std::strcmp(v, "launch") != 0;
   }();
   return on;
 }

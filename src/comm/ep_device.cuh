@@ -73,7 +73,7 @@ __device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
                                      arrival_bytes(g.R, g.max_tokens));
 }
 
-// ---- the op's opening barrier inside the overlapped launch (EPX_EP_BARRIER=inline) -------------
+// ---- the op's opening barrier inside the overlapped launch (default; not EPX_EP_BARRIER=launch)
 
 // Instead of a barrier launch before the op, one launch less: block 0 signals every peer that this
 // rank is at op `next` (its previous op has ended, so it no longer reads what peers wrote for it),
@@ -483,7 +483,8 @@ bool overlapped_dispatch_enabled();
 /// must not have run one.
 bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool inline_barrier,
                                 cudaStream_t stream);
-/// Whether EPX_EP_BARRIER=inline asks the overlapped launches to hold their op's opening barrier.
+/// Whether the overlapped launches hold their op's opening barrier (the default; EPX_EP_BARRIER=launch
+/// puts it in a launch of its own before them).
 bool inline_barrier_enabled();
 
 }  // namespace epx::comm::ep_device

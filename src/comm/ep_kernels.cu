@@ -477,8 +477,8 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   ea.scale_bytes = sa.scale_bytes;
   ea.out_weights = recv_weights.defined() ? recv_weights.ptr<float>() : nullptr;
   ea.stride = sa.stride;
-  // Zero-copy: send and expand in one launch, the expansion overlapping the transfer; with
-  // EPX_EP_BARRIER=inline the opening barrier is in that launch too.
+  // Zero-copy: send and expand in one launch, the expansion overlapping the transfer, and (unless
+  // EPX_EP_BARRIER=launch) the opening barrier in that launch too.
   const bool overlapped = link.device_barriers() && overlapped_dispatch_enabled();
   const bool vec_out = vec && aligned16(ea.out);
   if (overlapped && inline_barrier_enabled() && launch_overlapped_dispatch(sa, ea, vec_out, true, s)) return;
@@ -524,8 +524,8 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     using T = decltype(tag);
     constexpr int N = 16 / sizeof(T);
     const bool vec = a.H % N == 0 && aligned16(a.rows_in) && aligned16(a.out) && a.stride % 16 == 0;
-    // Zero-copy: partials and sums in one launch, the sums overlapping the transfer; with
-    // EPX_EP_BARRIER=inline the opening barrier is in that launch too.
+    // Zero-copy: partials and sums in one launch, the sums overlapping the transfer, and (unless
+    // EPX_EP_BARRIER=launch) the opening barrier in that launch too.
     const bool overlapped = link.device_barriers() && overlapped_combine_enabled();
     if (overlapped && inline_barrier_enabled() && launch_overlapped_combine(a, rows_in.dtype(), vec, true, s)) return;
     link.before_write(g, op_code, s);
