@@ -1,11 +1,18 @@
 // Grouped GEMMs on the expert-major layout (device-side group sizes, no host sync) against a dense
 // cuBLASLt GEMM of the same total FLOPs in the same run. JSON lines: shape, time, TFLOP/s, the
 // fraction of the dense GEMM's rate; decode also the weight-read floor at the measured HBM speed.
+// Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
+// beside the shipped ones and counts the output elements where they differ.
+// usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024 SCHEDULE:OUT|trials]
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <stdexcept>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -16,6 +23,10 @@
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
 #include "epx/quant.h"
+#ifdef EPX_GEMM_TRIALS
+#include "cuda/gemm/cutlass/trials/forward_trials.h"
+#include "cuda/gemm/cutlass/trials/wgrad_trials.h"
+#endif
 #include "moe/elementwise.h"
 
 using namespace epx;
@@ -105,6 +116,45 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   else unsetenv("EPX_FP8_GEMM_KERNEL");
 }
 
+#ifdef EPX_GEMM_TRIALS
+// The shipped forward / dgrad kernel beside each candidate of its mode (-DEPX_GEMM_TRIALS=ON), on
+// the same operands: times, and how many output elements differ from the shipped kernel's.
+void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand& a, const cuda::GroupedOperand& b,
+                        int64_t ld_out, int64_t Kc, int64_t Nout, const LayoutD& L, int G, double flops) {
+  const int64_t R = L.total;
+  Tensor want = Tensor::zeros({R, Nout}, DType::kBF16, Device::cuda(0));
+  Tensor got = Tensor::zeros({R, Nout}, DType::kBF16, Device::cuda(0));
+  const int32_t* off = L.offsets.ptr<int32_t>();
+  const int32_t* rows = L.rows.ptr<int32_t>();
+  auto shipped = [&](void* out) {
+    if (dgrad) cuda::grouped_dgrad_bf16(a, b, out, ld_out, Kc, Nout, off, rows, G, R, {});
+    else cuda::grouped_forward_bf16(a, b, out, ld_out, Kc, Nout, off, rows, G, R, {});
+  };
+  const char* op = dgrad ? "grouped_gemm_dgrad_kernel" : "grouped_gemm_forward_kernel";
+  shipped(want.data());
+  const double ts = bench::time_us([&](int) { shipped(want.data()); }, 10, 5, 2);
+  JsonLine().add("impl", "epx").add("op", op).add("case", name).add("schedule", "shipped").add("time_us", ts)
+      .add("tflops", flops / ts * 1e-6).print();
+  const Tensor wh = want.to(Device::cpu());
+  int count = 0;
+  const cuda::ForwardTrial* trials = cuda::forward_trials(count);
+  for (int i = 0; i < count; ++i) {
+    if (trials[i].dgrad != dgrad) continue;
+    cudaMemset(got.data(), 0, static_cast<size_t>(R * Nout * 2));
+    trials[i].run(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {});
+    const Tensor gh = got.to(Device::cpu());
+    long long differ = 0;
+    const uint16_t* gv = static_cast<const uint16_t*>(gh.data());
+    const uint16_t* wv = static_cast<const uint16_t*>(wh.data());
+    for (int64_t j = 0; j < R * Nout; ++j) differ += gv[j] != wv[j];
+    const double t = bench::time_us([&](int) { trials[i].run(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {}); }, 10, 5, 2);
+    JsonLine().add("impl", "epx").add("op", op).add("case", name).add("schedule", trials[i].name).add("time_us", t)
+        .add("tflops", flops / t * 1e-6).add("shipped_over_trial_time", ts / t).add("elements_differing_from_shipped", differ)
+        .print();
+  }
+}
+#endif
+
 void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward) {
   const LayoutD L = layout(sizes);
   const int G = static_cast<int>(sizes.size());
@@ -122,12 +172,18 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
   const double weight_bytes = 2.0 * G * K * N;
   j.add("weight_read_floor_us", weight_bytes / hbm * 1e6);
   j.print();
+#ifdef EPX_GEMM_TRIALS
+  run_forward_trials(name, false, {x.data(), K, 0}, {w.data(), N, K * N}, N, K, N, L, G, flops);
+#endif
   run_fp8(name, L, x, w, K, N, t, flops, hbm);
   if (!backward) return;
   Tensor dy = device_random({L.total, N}, DType::kBF16, 4, 1.0), dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
   Tensor dw = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
   const double tg = bench::time_us([&](int) { grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx); }, 10, 5, 2);
   const double tw = bench::time_us([&](int) { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw); }, 10, 5, 2);
+#ifdef EPX_GEMM_TRIALS
+  run_forward_trials(name, true, {dy.data(), N, 0}, {w.data(), N, K * N}, K, N, K, L, G, flops);
+#endif
   JsonLine().add("impl", "epx").add("op", "grouped_gemm_dgrad").add("case", name).add("time_us", tg)
       .add("tflops", flops / tg * 1e-6).add("fraction_of_forward", t / tg).print();
   JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad").add("case", name).add("time_us", tw)
@@ -135,7 +191,10 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
 }
 
 // Every wgrad kernel on one shape: both schedules, fp32 and bf16 gradients (the layer's choice).
-void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N) {
+// only: "schedule:out" (e.g. "pingpong:bf16") runs that variant alone (for a profiler), "trials" them
+// all and the candidate kernels; empty runs the shipped ones.
+void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N,
+                        const std::string& only = {}) {
   const LayoutD L = layout(sizes);
   const int G = static_cast<int>(sizes.size());
   Tensor x = device_random({L.total, K}, DType::kBF16, 5, 1.0), dy = device_random({L.total, N}, DType::kBF16, 6, 1.0);
@@ -156,24 +215,87 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
       {"cooperative", "bf16", [&] { cuda::grouped_wgrad_bf16_out(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"pingpong", "bf16", [&] { cuda::grouped_wgrad_bf16_out_pingpong(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"cluster2x1", "bf16", [&] { cuda::grouped_wgrad_bf16_out_cluster(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+      {"nosource", "bf16", [&] { cuda::grouped_wgrad_bf16_out_nosource(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
   };
-  for (const Variant& v : variants) {
+#ifdef EPX_GEMM_TRIALS
+  int trial_count = 0;
+  const cuda::WgradTrial* trials = cuda::wgrad_trials(trial_count);
+  std::vector<Variant> all = variants;
+  for (int i = 0; i < trial_count; ++i) {
+    const cuda::WgradTrial& tr = trials[i];
+    void* out = tr.fp32_out ? dw32.data() : dw16.data();
+    all.push_back({tr.name, tr.fp32_out ? "fp32" : "bf16",
+                   [&, run = tr.run, out] { run(a, d, out, K * N, K, N, off, rows, G, {}); }});
+  }
+#else
+  const std::vector<Variant>& all = variants;
+#endif
+  // Every variant's gradient against the cooperative kernel's of the same dtype, on the first and
+  // last 4M elements (the whole gradient is gigabytes): the same sums, so any difference is reported.
+  const size_t total = static_cast<size_t>(G) * K * N, probe = std::min<size_t>(size_t{1} << 22, total);
+  auto fetch = [&](bool fp32, bool tail) {
+    const size_t es = fp32 ? 4 : 2;
+    std::vector<unsigned char> h(probe * es);
+    const unsigned char* base = static_cast<const unsigned char*>(fp32 ? dw32.data() : dw16.data());
+    const size_t at = tail ? (total - probe) * es : 0;
+    if (cudaMemcpy(h.data(), base + at, h.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+      throw std::runtime_error("bench_grouped_gemm: copy of the wgrad probe failed");
+    return h;
+  };
+  std::vector<unsigned char> want[2][2];  // [fp32][tail]
+  for (int f = 0; f < 2; ++f) {
+    variants[f ? 0 : 2].fn();  // cooperative fp32 / bf16
+    cudaDeviceSynchronize();
+    want[f][0] = fetch(f, false);
+    want[f][1] = fetch(f, true);
+  }
+  for (size_t vi = 0; vi < all.size(); ++vi) {
+    const Variant& v = all[vi];
+    if (only.empty() && vi >= variants.size()) continue;  // candidates only when asked for
+    if (!only.empty() && only != "trials" && only != std::string(v.schedule) + ":" + v.out) continue;
+    const bool fp32 = std::string(v.out) == "fp32";
+    const size_t es = fp32 ? 4 : 2;
+    unsigned char* out = static_cast<unsigned char*>(fp32 ? dw32.data() : dw16.data());
+    cudaMemset(out, 0xff, probe * es);  // a kernel that skips the probed elements cannot pass
+    cudaMemset(out + (total - probe) * es, 0xff, probe * es);
+    v.fn();
+    cudaDeviceSynchronize();
+    long long mismatches = 0;
+    for (int tail = 0; tail < 2; ++tail) {
+      const std::vector<unsigned char> got = fetch(fp32, tail);
+      for (size_t i = 0; i < probe; ++i) mismatches += std::memcmp(&got[i * es], &want[fp32][tail][i * es], es) != 0;
+    }
     const double t = bench::time_us([&](int) { v.fn(); }, 10, 5, 2);
     const double out_bytes = static_cast<double>(G) * K * N * (std::string(v.out) == "fp32" ? 4 : 2);
     JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad_kernel").add("case", name).add("schedule", v.schedule)
         .add("out", v.out).add("groups", G).add("rows", static_cast<long long>(L.total))
         .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
-        .add("tflops", flops / t * 1e-6).add("gradient_write_gb_per_s", out_bytes / t * 1e-3).print();
+        .add("tflops", flops / t * 1e-6).add("gradient_write_gb_per_s", out_bytes / t * 1e-3)
+        .add("probe_mismatches_vs_cooperative", mismatches).print();
   }
 }
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
     if (!cuda::grouped_gemm_available()) {
       std::fprintf(stderr, "bench_grouped_gemm: built without CUTLASS: skipped\n");
       return 0;
+    }
+    // --wgrad CASE SCHEDULE:OUT: one wgrad kernel on one shape, nothing else (profiling); --wgrad CASE
+    // trials: every shipped wgrad kernel and the candidates (-DEPX_GEMM_TRIALS=ON).
+    if (argc == 4 && std::string(argv[1]) == "--wgrad") {
+      const std::string c = argv[2];
+      if (c == "fc1") run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, argv[3]);
+      else if (c == "fc2") run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, argv[3]);
+      else if (c == "32x1024") run_wgrad_variants("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048, argv[3]);
+      else throw std::runtime_error("bench_grouped_gemm: --wgrad takes fc1, fc2 or 32x1024, not " + c);
+      return 0;
+    }
+    if (argc != 1) {
+      std::fprintf(stderr, "usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024 SCHEDULE:OUT|trials]\n");
+      return 2;
     }
     const double hbm = bench::measure_hbm_bytes_per_s();
     run("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048, hbm, true);

@@ -59,7 +59,8 @@ if has build; then
   [ -d .carry/googletest ] && gt=(-DEPX_GTEST_SOURCE="$PWD/.carry/googletest")
   t0=$(date +%s)
   # CMAKE_EXTRA (e.g. -DEPX_WITH_CUTLASS=OFF) and TARGETS (e.g. "epx_tests_gpu bench_router") narrow
-  # a build to what a quick check needs.
+  # a build to what a quick check needs; CMAKE_EXTRA=-DEPX_GEMM_TRIALS=ON adds the candidate grouped
+  # GEMM kernels bench_grouped_gemm times beside the shipped ones.
   tg=()
   for t in ${TARGETS:-}; do tg+=(--target "$t"); done
   if ! cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${gt[@]}" ${CMAKE_EXTRA:-} >"$OUT/build.log" 2>&1 ||

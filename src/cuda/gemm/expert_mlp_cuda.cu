@@ -206,20 +206,29 @@ void zero_empty_groups(const TensorRef& out, int64_t group_elems, const int32_t*
 // to dw (MlpConfig::accumulate_weight_grads).
 void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem_offset, int64_t group_stride,
            int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, float beta, Stream stream) {
-  const WgradSchedule sched = wgrad_schedule();
+  WgradSchedule sched = wgrad_schedule();
   if (dw.dtype() == DType::kF32) {
     float* out = dw.ptr<float>() + elem_offset;
-    if (sched == WgradSchedule::kCooperative)
+    if (sched == WgradSchedule::kCooperative || sched == WgradSchedule::kNoSource)
       grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
     else
       grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
-  } else {
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
-    if (sched == WgradSchedule::kPingpong)
+    return;
+  }
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
+  if (sched == WgradSchedule::kAuto) sched = beta == 0.0f ? WgradSchedule::kNoSource : WgradSchedule::kPingpong;
+  if (sched == WgradSchedule::kNoSource && beta != 0.0f) sched = WgradSchedule::kCooperative;  // it cannot add
+  switch (sched) {
+    case WgradSchedule::kNoSource:
+      grouped_wgrad_bf16_out_nosource(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+      break;
+    case WgradSchedule::kPingpong:
       grouped_wgrad_bf16_out_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
-    else if (sched == WgradSchedule::kCluster)
+      break;
+    case WgradSchedule::kCluster:
       grouped_wgrad_bf16_out_cluster(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
-    else
+      break;
+    default:
       grouped_wgrad_bf16_out(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
   }
 }
@@ -264,13 +273,16 @@ void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F)
 WgradSchedule wgrad_schedule() {
   static const WgradSchedule chosen = [] {
     const char* v = std::getenv("EPX_WGRAD_KERNEL");
-    if (v == nullptr || *v == '\0') return WgradSchedule::kPingpong;
+    if (v == nullptr || *v == '\0') return WgradSchedule::kAuto;
     const std::string s(v);
+    if (s == "auto") return WgradSchedule::kAuto;
+    if (s == "nosource") return WgradSchedule::kNoSource;
     if (s == "pingpong") return WgradSchedule::kPingpong;
     if (s == "cooperative") return WgradSchedule::kCooperative;
     if (s == "cluster") return WgradSchedule::kCluster;
     throw Error(Status::kInvalidArgument,
-                detail::concat("epx: EPX_WGRAD_KERNEL is \"", s, "\", expected cooperative, pingpong or cluster"));
+                detail::concat("epx: EPX_WGRAD_KERNEL is \"", s,
+                               "\", expected auto, cooperative, pingpong, cluster or nosource"));
   }();
   return chosen;
 }
