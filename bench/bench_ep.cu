@@ -14,6 +14,7 @@
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "comm/ep_timeline.h"
 #include "core/device_memory.h"
 #include "core/host_barrier.h"
 #include "core/ep_state.h"
@@ -96,6 +98,30 @@ double graph_us(HostBarrier& bar, const std::function<void(cudaStream_t)>& op) {
   return ms * 1e3 / (kOps * kReplays);
 }
 
+// One launch's timeline (-DEPX_EP_TIMELINE=ON) as a JSON line: for the writer blocks (senders /
+// partial reducers) and the reader blocks (expanders / sums), each phase's [min, median, max] over
+// the blocks where it occurred, in us after the earliest block's entry.
+JsonLine timeline_line(const char* op, int rank, int T, int H, const comm::EpTimeline& t) {
+  uint64_t t0 = UINT64_MAX;
+  for (int b = 0; b < t.blocks; ++b)
+    if (const uint64_t e = t.stamps[b * comm::kTlPhases + comm::kTlEntry]) t0 = std::min(t0, e);
+  JsonLine j;
+  j.add("impl", "epx").add("op", op).add("rank", rank).add("tokens", T).add("hidden", H).add("blocks", t.blocks)
+      .add("writer_blocks", t.writer_blocks);
+  const char* phase[comm::kTlPhases] = {"entry", "barrier", "first", "role_done", "exit"};
+  for (int role = 0; role < 2; ++role) {
+    for (int p = 0; p < comm::kTlPhases; ++p) {
+      std::vector<double> v;
+      for (int b = role ? t.writer_blocks : 0; b < (role ? t.blocks : std::min(t.writer_blocks, t.blocks)); ++b)
+        if (const uint64_t s = t.stamps[b * comm::kTlPhases + p]) v.push_back((s - t0) * 1e-3);
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      j.add(std::string(role ? "readers_" : "writers_") + phase[p] + "_us", std::vector<double>{v.front(), v[v.size() / 2], v.back()});
+    }
+  }
+  return j;
+}
+
 void run(int T, int H, int E, int K, int sms, double link, Transport transport) {
   GroupConfig cfg;
   cfg.transport = transport;
@@ -109,6 +135,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
   const int R = static_cast<int>(groups.size());
   HostBarrier bar(R);
   std::vector<JsonLine> lines(R);
+  std::vector<std::vector<JsonLine>> timelines(R);
   run_ranks(groups, [&](Group& g) {
     const Device dev = g.device();
     EPX_CUDA_CHECK(cudaSetDevice(dev.index));
@@ -164,6 +191,24 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
       dispatch_forward(g, hh, x8, xs, w, recv8, rs, rw, Stream{s});
     });
     g.check();
+    // Built with -DEPX_EP_TIMELINE=ON: the phases of the last of a few warm zero-copy dispatches and
+    // combines, per block.
+    if (comm::ep_timeline_enabled() && g.transport() == Transport::kZeroCopy) {
+      bar.wait();
+      comm::ep_timeline_clear_dispatch();
+      comm::ep_timeline_clear_combine();
+      bar.wait();
+      for (int rep = 0; rep < 5; ++rep) {
+        Handle hh = prepare(g, idx, w);
+        dispatch_forward(g, hh, x, w, recv, rw);
+        combine_forward(g, hh, recv, rw, out);
+      }
+      comm::EpTimeline td, tc;
+      if (comm::ep_timeline_read_dispatch(td)) timelines[g.rank()].push_back(timeline_line("dispatch_timeline", g.rank(), T, H, td));
+      if (comm::ep_timeline_read_combine(tc)) timelines[g.rank()].push_back(timeline_line("combine_timeline", g.rank(), T, H, tc));
+      bar.wait();
+      g.check();
+    }
     Tensor sent = Tensor::wrap(h.state().send_tokens.ref(), nullptr).to(Device::cpu());
     Tensor got = Tensor::wrap(h.state().recv_tokens.ref(), nullptr).to(Device::cpu());
     double remote_rows = 0, all_recv = 0;
@@ -215,6 +260,8 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("recv_capacity_rows", static_cast<long long>(cap));
   });
   lines[0].print();
+  for (const auto& per_rank : timelines)
+    for (const JsonLine& l : per_rank) l.print();
 }
 
 }  // namespace

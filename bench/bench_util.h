@@ -87,6 +87,14 @@ class JsonLine {
   JsonLine& add(const std::string& k, long long v) { return raw(k, std::to_string(v)); }
   JsonLine& add(const std::string& k, int v) { return raw(k, std::to_string(v)); }
   JsonLine& add(const std::string& k, bool v) { return raw(k, v ? "true" : "false"); }
+  JsonLine& add(const std::string& k, const std::vector<double>& v) {
+    std::ostringstream os;
+    os.precision(6);
+    os << '[';
+    for (size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
+    os << ']';
+    return raw(k, os.str());
+  }
   void print(FILE* out = stdout) const {
     std::fprintf(out, "{%s}\n", body_.c_str());
     std::fflush(out);

@@ -28,10 +28,13 @@
 #include <cstdlib>
 
 #include "comm/ep_device.cuh"
+#include "comm/ep_timeline.cuh"
 #include "cuda/common/cuda_check.h"
 
 namespace epx::comm::ep_device {
 namespace {
+
+EPX_TIMELINE_BUFFER()
 
 // W warps per block: kWarps, three blocks per SM (register cap 85); kBudgetCombineWarps under an SM
 // budget, one block per SM with the same register cap.
@@ -46,7 +49,10 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   const DeviceGroup& g = a.g;
   const int R = g.R;
   const int64_t nvec = a.H / N;
+  EPX_STAMP(kTlEntry);
+  EPX_STAMP_GRID(reduce_blocks);
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
+  EPX_STAMP(kTlBarrier);
   if (static_cast<int>(blockIdx.x) < reduce_blocks) {
     uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
     int maxc = 0;
@@ -69,6 +75,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
         if (lane == 0) wait_peer_ready(g, s, next, ready, a.op_code);
         __syncwarp();  // lane 0's acquire before every lane's stores
       }
+      if (q == static_cast<int>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
       reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, pieces, piece));
       if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
     }
@@ -92,10 +99,12 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       }
       __syncwarp();  // lane 0's acquire before every lane's reads
       ok = __shfl_sync(0xffffffffu, ok, 0);
+      if (q == (static_cast<int>(blockIdx.x) - reduce_blocks) * W) EPX_STAMP(kTlFirst);
       if (ok)
         sum_partials<T, N>(a, t, lane, slot_s[warp], true, piece_range(nvec, pieces, piece));
     }
   }
+  EPX_STAMP(kTlRoleDone);
   // The last block to finish zeroes this rank's counters (every arrival they count has landed).
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -103,6 +112,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     last_s = atomicAdd(done_ticket(g), 1u) == gridDim.x - 1;
   }
   __syncthreads();
+  EPX_STAMP(kTlExit);
   if (!last_s) return;
   uint32_t* counters = arrival(g, g.rank, 0, 0);
   const int words = R * arrival_chunks(g.max_tokens);
@@ -146,6 +156,29 @@ bool launch(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
 }
 
 }  // namespace
+
+}  // namespace epx::comm::ep_device
+
+namespace epx::comm {
+
+void ep_timeline_clear_combine() {
+#ifdef EPX_EP_TIMELINE
+  clear_timeline(ep_device::tl_stamps, ep_device::tl_blocks);
+#endif
+}
+
+bool ep_timeline_read_combine(EpTimeline& out) {
+#ifdef EPX_EP_TIMELINE
+  return read_timeline(ep_device::tl_stamps, ep_device::tl_blocks, ep_device::tl_writer_blocks, out);
+#else
+  (void)out;
+  return false;
+#endif
+}
+
+}  // namespace epx::comm
+
+namespace epx::comm::ep_device {
 
 bool overlapped_combine_enabled() {
   static const bool on = !env_asks_phased("EPX_COMBINE_KERNEL");

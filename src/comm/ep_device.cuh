@@ -211,14 +211,14 @@ __device__ __forceinline__ P load_pack(const P* p, bool cg) {
 
 // ---- dispatch: rows out, rows expanded ----------------------------------------------------------
 
-// One row to every expert row in rows[0..K) that is >= 0: each piece of the source is loaded once
-// (kFanoutUnroll vectors per lane in flight), then stored to all of them.
+// Vectors r of one row to every expert row in rows[0..K) that is >= 0: each piece of the source is
+// loaded once (kFanoutUnroll vectors per lane in flight), then stored to all of them.
 template <class V>
 __device__ __forceinline__ void copy_fanout(const char* src, char* out, int64_t bytes, const int32_t* rows, int K,
-                                            int lane, bool cg) {
+                                            int lane, bool cg, VecRange r) {
   const V* s = reinterpret_cast<const V*>(src);
-  const int64_t n = bytes / static_cast<int64_t>(sizeof(V));
-  for (int64_t v0 = lane; v0 < n; v0 += 32 * kFanoutUnroll) {
+  const int64_t n = r.end;
+  for (int64_t v0 = r.begin + lane; v0 < n; v0 += 32 * kFanoutUnroll) {
     V val[kFanoutUnroll];
 #pragma unroll
     for (int u = 0; u < kFanoutUnroll; ++u)
@@ -232,6 +232,13 @@ __device__ __forceinline__ void copy_fanout(const char* src, char* out, int64_t 
         if (v0 + u * 32 < n) d[v0 + u * 32] = val[u];
     }
   }
+}
+
+// The whole row.
+template <class V>
+__device__ __forceinline__ void copy_fanout(const char* src, char* out, int64_t bytes, const int32_t* rows, int K,
+                                            int lane, bool cg) {
+  copy_fanout<V>(src, out, bytes, rows, K, lane, cg, VecRange{0, bytes / static_cast<int64_t>(sizeof(V))});
 }
 
 // Token t's row, its scales and (with_meta) its routing meta into the mailbox slot of every
@@ -277,12 +284,13 @@ __device__ __forceinline__ void send_token(const SendArgs& a, int64_t t, int lan
   __syncwarp();
 }
 
-// Received slot `slot` of source s into every expert row it feeds (one warp): its meta gives the
-// rows (recv_row, for combine) and weights; a meta naming no valid row writes nothing. rows_s: the
-// warp's shared scratch. cg: the slot arrived during this launch.
+// Received slot `slot` of source s into every expert row it feeds (one warp), vectors r of the row:
+// its meta gives the rows (recv_row, for combine) and weights; a meta naming no valid row writes
+// nothing. The piece that starts the row (lead) also writes recv_row, the weights and the scales.
+// rows_s: the warp's shared scratch. cg: the slot arrived during this launch.
 template <class V>
 __device__ __forceinline__ void expand_received_slot(const ExpandArgs& a, int s, int slot, int lane, int32_t* rows_s,
-                                                     bool cg) {
+                                                     bool cg, VecRange r, bool lead) {
   const DeviceGroup& g = a.g;
   const int K = a.K;
   int32_t row = -1;
@@ -291,16 +299,25 @@ __device__ __forceinline__ void expand_received_slot(const ExpandArgs& a, int s,
     if (m.local_expert >= 0 && m.local_expert < g.Le) {
       row = a.segment_starts[m.local_expert * g.R + s] + m.position;
       if (row < 0 || row >= a.offsets[g.Le]) row = -1;  // a corrupt slot never writes out of bounds
-      else if (a.out_weights) a.out_weights[row] = static_cast<float>(m.weight);
+      else if (a.out_weights && lead) a.out_weights[row] = static_cast<float>(m.weight);
     }
-    a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * K + lane] = row;
+    if (lead) a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * K + lane] = row;
   }
   rows_s[lane] = lane < K ? row : -1;
   __syncwarp();
   const char* src = in_row(g, s, slot, a.stride);
-  copy_fanout<V>(src, a.out, a.row_bytes, rows_s, K, lane, cg);
-  if (a.scale_bytes) copy_fanout<uint8_t>(src + a.row_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, cg);
+  copy_fanout<V>(src, a.out, a.row_bytes, rows_s, K, lane, cg, r);
+  if (a.scale_bytes && lead)
+    copy_fanout<uint8_t>(src + a.row_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, cg);
   __syncwarp();
+}
+
+// The whole slot (one warp).
+template <class V>
+__device__ __forceinline__ void expand_received_slot(const ExpandArgs& a, int s, int slot, int lane, int32_t* rows_s,
+                                                     bool cg) {
+  expand_received_slot<V>(a, s, slot, lane, rows_s, cg, VecRange{0, a.row_bytes / static_cast<int64_t>(sizeof(V))},
+                          true);
 }
 
 // The padding rows of local expert j (zeros, weight 0), one warp.
