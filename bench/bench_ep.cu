@@ -116,7 +116,8 @@ JsonLine timeline_line(const char* op, int rank, int T, int H, const comm::EpTim
         if (const uint64_t s = t.stamps[b * comm::kTlPhases + p]) v.push_back((s - t0) * 1e-3);
       if (v.empty()) continue;
       std::sort(v.begin(), v.end());
-      j.add(std::string(role ? "readers_" : "writers_") + phase[p] + "_us", std::vector<double>{v.front(), v[v.size() / 2], v.back()});
+      j.add(std::string(role ? "readers_" : "writers_") + phase[p] + "_us",
+            std::vector<double>{v.front(), v[v.size() / 2], v.back()});
     }
   }
   return j;
@@ -204,8 +205,9 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         combine_forward(g, hh, recv, rw, out);
       }
       comm::EpTimeline td, tc;
-      if (comm::ep_timeline_read_dispatch(td)) timelines[g.rank()].push_back(timeline_line("dispatch_timeline", g.rank(), T, H, td));
-      if (comm::ep_timeline_read_combine(tc)) timelines[g.rank()].push_back(timeline_line("combine_timeline", g.rank(), T, H, tc));
+      std::vector<JsonLine>& mine = timelines[g.rank()];
+      if (comm::ep_timeline_read_dispatch(td)) mine.push_back(timeline_line("dispatch_timeline", g.rank(), T, H, td));
+      if (comm::ep_timeline_read_combine(tc)) mine.push_back(timeline_line("combine_timeline", g.rank(), T, H, tc));
       bar.wait();
       g.check();
     }

@@ -95,7 +95,8 @@ template <class TileShape, class ClusterShape, class ElementOut, class EpilogueS
 using PtrArrayEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpiTile, float, float, ElementC,
     cutlass::layout::RowMajor*, 16 / sizeof(ElementOut), ElementOut, cutlass::layout::RowMajor*,
-    16 / sizeof(ElementOut), EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementC>>::CollectiveOp;
+    16 / sizeof(ElementOut), EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementC>>::CollectiveOp;
 
 // What a launcher needs of a grouped kernel made of this mainloop and epilogue.
 template <class ProblemShape_, class Mainloop, class Epilogue>
@@ -294,8 +295,8 @@ void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
       hardware_info()};
   args.epilogue.thread.alpha = 1.0f;
   if constexpr (std::is_void_v<typename K::ElementC>) {
-    require_status(beta == 0.0f, Status::kNotSupported, "epx::grouped_gemm", "this kernel has no source operand: beta is ",
-                   beta, ", expected 0");
+    require_status(beta == 0.0f, Status::kNotSupported, "epx::grouped_gemm",
+                   "this kernel has no source operand: beta is ", beta, ", expected 0");
   } else {
     args.epilogue.ptr_C = reinterpret_cast<const ElementOut**>(arr.c);
     args.epilogue.thread.beta = beta;
