@@ -318,6 +318,368 @@ __device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* 
   }
 }
 
+// The per-token work of the fast kernels: route one token held in x (this lane's experts e0 .. e0 + V
+// of row t), write its K slots and add its statistics to acc / w_lse / w_cnt. Also the exact fallback
+// of the lean kernel (router_lean_kernels.cuh), which calls it with TPW = 1 for the rows its fast path
+// does not take.
+template <int TPW>
+struct FastTokenSetup {
+  TokenLanes<TPW> tl;
+  int lane, e0, my_group, lpg, ncover;
+  bool grouped, aligned, any_straddle, want_prob, want_scal, need_softmax;
+  const float* s_bias;     // [EP] the expert bias (zeros without one)
+  const int* s_lane_gf;    // the legacy group layout (grouped, not aligned, TPW = 1)
+  const int* s_lane_jb;
+};
+
+template <int V, class LT, int SF, int TPW>
+__device__ __forceinline__ void fast_route_token(const FwdParams& p, const FastTokenSetup<TPW>& ts, const LT* row,
+                                                 int64_t t, const float (&x)[V], float (&acc)[V], float& w_lse,
+                                                 unsigned& w_cnt) {
+  constexpr int LPT = 32 / TPW;
+  constexpr int EP = LPT * V;
+  constexpr int IB = EP == 32 ? 5 : EP == 64 ? 6 : EP == 128 ? 7 : EP == 256 ? 8 : 9;
+  constexpr uint32_t IM = (1u << IB) - 1u;
+  constexpr int VH = TPW == 1 ? V : V / 2;
+  const TokenLanes<TPW>& tl = ts.tl;
+  const int lane = ts.lane, hl = tl.hl, e0 = ts.e0;
+  const int K = p.K, G = p.G, per = p.per;
+  const bool grouped = ts.grouped, aligned = ts.aligned, any_straddle = ts.any_straddle;
+  const bool want_prob = ts.want_prob, want_scal = ts.want_scal, need_softmax = ts.need_softmax;
+  const int lpg = ts.lpg, my_group = ts.my_group, ncover = ts.ncover;
+  const float* s_bias = ts.s_bias;
+  const int* s_lane_gf = ts.s_lane_gf;
+  const int* s_lane_jb = ts.s_lane_jb;
+
+  // The lane's max over eligible logits: fmaxf ignores NaN, and stays NaN only when every
+  // element of the lane is NaN. One redux gives the row max as an order key, 0 when no lane
+  // of the token has an eligible expert.
+  float lmx = __uint_as_float(0x7fc00000u);
+#pragma unroll
+  for (int j = 0; j < V; ++j) lmx = fmaxf(lmx, x[j]);
+  const uint32_t mkey = tl.max(isnan(lmx) ? 0u : order_key2(lmx));
+  const int64_t o = t * K + hl;
+  if (mkey == 0u) {
+    if (hl < K) store_slot(p, o, -1, 0.0f);
+  } else {
+    const float mx = key_to_float(mkey);
+
+    // pr: softmax probabilities (sigmoid mode: exp(x - max)), NaN exactly where the logit is
+    // NaN (ineligible); sums and statistics add fmaxf(v, 0), which is v for the others.
+    float pr[V];
+    float inv = 0.0f, pv = 0.0f, lse = 0.0f;
+    float suma = 0.0f, sumb = 0.0f;
+    bool sat = false;
+    if (need_softmax) {
+      if (isinf(mx)) {  // uniform over the token
+        unsigned cnt = 0;
+#pragma unroll
+        for (int j = 0; j < V; ++j) cnt += x[j] == mx ? 1u : 0u;
+        const unsigned top = tl.add(cnt);
+        pv = 1.0f / static_cast<float>(top);
+#pragma unroll
+        for (int j = 0; j < V; ++j) pr[j] = isnan(x[j]) ? x[j] : (x[j] == mx ? pv : 0.0f);
+        lse = mx;
+        sat = true;
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          pr[j] = expf(__fsub_rn(x[j], mx));  // finite max: NaN iff x is NaN
+          if (j < VH)
+            suma += fmaxf(pr[j], 0.0f);
+          else
+            sumb += fmaxf(pr[j], 0.0f);
+        }
+        if constexpr (SF != kScoreSigmoid) {
+          const float sum = token_sum(tl, suma, sumb);
+          inv = 1.0f / sum;
+#pragma unroll
+          for (int j = 0; j < V; ++j) pr[j] = __fmul_rn(pr[j], inv);
+          if (want_scal) lse = mx + logf(sum);
+        }
+      }
+    }
+
+    float sg[V];
+    float ssum = 0.0f, e_neg_max = 0.0f;
+    bool sig_direct = true;
+    if constexpr (SF == kScoreSigmoid) {
+      float lmn = __uint_as_float(0x7fc00000u);  // the lane's min over eligible logits
+#pragma unroll
+      for (int j = 0; j < V; ++j) lmn = fminf(lmn, x[j]);
+      if (need_softmax && !sat) {
+        // Rounding is monotonic: min(x) - max < -16 iff some x - max < -16 (NaN never is).
+        sig_direct = tl.any(__fsub_rn(lmn, mx) < -16.0f);
+        if (!sig_direct) e_neg_max = expf(-mx);
+      }
+      // The reciprocals' fast path where the denominators are in range for the whole token:
+      // 1 + exp(-x) < 2^126 when x > -80; u + exp(-max) is in [e^-16, 2^126) when max > -80.
+      // Otherwise the same expressions with __frcp_rn. NaN in, NaN out either way.
+      float ssa = 0.0f, ssb = 0.0f;
+      if (sig_direct) {
+        if (!tl.any(lmn <= -80.0f)) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) sg[j] = rcp_rn_normal(__fadd_rn(1.0f, expf(-x[j])));
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) sg[j] = sigmoid_score(x[j]);
+        }
+      } else if (mx > -80.0f) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) sg[j] = __fmul_rn(pr[j], rcp_rn_normal(__fadd_rn(pr[j], e_neg_max)));
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) sg[j] = sigmoid_shared(pr[j], e_neg_max);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (j < VH)
+          ssa += fmaxf(sg[j], 0.0f);
+        else
+          ssb += fmaxf(sg[j], 0.0f);
+      }
+      // The logsumexp's sum and the scores' sum share one butterfly.
+      if (need_softmax && !sat) {
+        if (want_prob) {
+          token_sum2(tl, suma, sumb, ssa, ssb);
+          ssum = ssa;
+        } else {
+          suma = token_sum(tl, suma, sumb);
+        }
+        if (want_scal) lse = mx + logf(suma);
+      } else if (want_prob) {
+        ssum = token_sum(tl, ssa, ssb);
+      }
+    }
+
+    if (want_prob) {
+      if constexpr (SF == kScoreSigmoid) {
+        const float is = ssum > 0.0f ? 1.0f / ssum : 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += fmaxf(sg[j], 0.0f) * is;
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += fmaxf(pr[j], 0.0f);
+      }
+    }
+    if (want_scal) {
+      w_lse += lse * lse;
+      ++w_cnt;
+    }
+
+    // Exact selection keys (0 = ineligible). Scores are finite where eligible and the bias is
+    // never NaN, so the sum is NaN exactly for the ineligible ones.
+    uint32_t ek[V];
+    {
+      float bias[V];
+      load_bias<V>(bias, s_bias, e0);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if constexpr (SF == kScoreSoftmax) {
+          const float sel = __fadd_rn(pr[j], bias[j]);
+          ek[j] = isnan(sel) ? 0u : order_key2(sel);
+        } else if constexpr (SF == kScoreSigmoid) {
+          const float sel = __fadd_rn(sg[j], bias[j]);
+          ek[j] = isnan(sel) ? 0u : order_key2(sel);
+        } else {
+          float sel = __fadd_rn(__fadd_rn(x[j], bias[j]), 0.0f);  // -0 -> +0
+          if (isnan(sel)) sel = -CUDART_INF_F;                      // inf + -inf
+          ek[j] = isnan(x[j]) ? 0u : order_key2(sel);
+        }
+      }
+    }
+
+    if (grouped) {
+      if (TPW == 2 || aligned) {
+        // The group's top-2 keys: each lane's, then an xor butterfly over the group's lanes
+        // (the top-2 of a multiset does not depend on the merge order).
+        uint32_t g1 = 0, g2 = 0;
+#pragma unroll
+        for (int j = 0; j < V; ++j) top2(g1, g2, ek[j]);
+        for (int off = 1; off < lpg; off <<= 1) {
+          const uint32_t b1 = __shfl_xor_sync(tl.mask, g1, off), b2 = __shfl_xor_sync(tl.mask, g2, off);
+          merge2(g1, g2, b1, b2);
+        }
+        float gs;
+        if (g1 == 0u)
+          gs = -CUDART_INF_F;
+        else if (g2 == 0u)
+          gs = key_to_float(g1);
+        else {
+          gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
+          if (isnan(gs)) gs = -CUDART_INF_F;
+        }
+        const uint32_t gk = order_key2(gs);
+        int rank = 0;
+#pragma unroll
+        for (int gi = 0; gi < kMaxGroups; ++gi) {
+          if (gi >= G) break;
+          const uint32_t other = __shfl_sync(tl.mask, gk, tl.base + gi * lpg);
+          rank += (other > gk || (other == gk && gi < my_group)) ? 1 : 0;
+        }
+        const bool kept = my_group < G && rank < p.group_topk;
+#pragma unroll
+        for (int j = 0; j < V; ++j) ek[j] = kept ? ek[j] : 0u;
+      } else if constexpr (TPW == 1) {
+        // The legacy general layout (see route_forward_kernel).
+        const int gf = s_lane_gf[lane], jb = s_lane_jb[lane];
+        const int g_first = (lane * per) / V, g_last = lane < G ? ((lane + 1) * per - 1) / V : -1;
+        uint32_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
+        if (!any_straddle) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) top2(a1, a2, ek[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const bool in_b = j >= jb;
+            top2(a1, a2, in_b ? 0u : ek[j]);
+            top2(b1, b2, in_b ? ek[j] : 0u);
+          }
+        }
+        uint32_t g1 = 0, g2 = 0;
+        for (int i = 0; i < ncover; ++i) {
+          const int src = min(g_first + i, 31);
+          const uint32_t sa1 = __shfl_sync(kFull, a1, src), sa2 = __shfl_sync(kFull, a2, src);
+          const int sgf = __shfl_sync(kFull, gf, src);
+          uint32_t sb1 = 0, sb2 = 0;
+          if (any_straddle) {
+            sb1 = __shfl_sync(kFull, b1, src);
+            sb2 = __shfl_sync(kFull, b2, src);
+          }
+          if (lane < G && g_first + i <= g_last) {
+            if (sgf == lane)
+              merge2(g1, g2, sa1, sa2);
+            else
+              merge2(g1, g2, sb1, sb2);
+          }
+        }
+        uint32_t gk = 0;
+        if (lane < G) {
+          float gs;
+          if (g1 == 0u)
+            gs = -CUDART_INF_F;
+          else if (g2 == 0u)
+            gs = key_to_float(g1);
+          else {
+            gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
+            if (isnan(gs)) gs = -CUDART_INF_F;
+          }
+          gk = order_key(gs);
+        }
+        int rank = 0;
+#pragma unroll
+        for (int gi = 0; gi < kMaxGroups; ++gi) {
+          if (gi >= G) break;
+          const uint32_t other = __shfl_sync(kFull, gk, gi);
+          rank += (other > gk || (other == gk && gi < lane)) ? 1 : 0;
+        }
+        const uint32_t kept = __ballot_sync(kFull, lane < G && rank < p.group_topk);
+        const bool ka = (kept >> gf) & 1u, kb = (kept >> (gf + 1)) & 1u;
+#pragma unroll
+        for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
+      }
+    }
+
+    // Fast top-k on composite keys, exact fallback (route_forward_kernel's file note). A pick
+    // <= IM (no candidate left anywhere) may shift a lane's cache: later picks are <= IM too,
+    // and those only ever give -1.
+    uint32_t c1 = 0, c2 = 0, c3 = 0;
+    const uint32_t cbase = IM - static_cast<uint32_t>(e0);
+#pragma unroll
+    for (int j = 0; j < V; ++j) top3(c1, c2, c3, (ek[j] & ~IM) | (cbase - static_cast<uint32_t>(j)));
+    const bool more = c3 > IM;
+    uint32_t slot = 0;
+#pragma unroll
+    for (int r = 0; r <= kMaxTopk; ++r) {
+      if (r > K) break;
+      const uint32_t m = tl.max(c1);
+      if (hl == r) slot = m;
+      const bool won = c1 == m;
+      c1 = won ? c2 : c1;
+      c2 = won ? c3 : c2;
+      c3 = won ? 0u : c3;
+    }
+    const uint32_t after = __shfl_down_sync(tl.mask, slot, 1, LPT);  // the token's last lane keeps its own
+    const bool collide = hl < K && after > IM && (slot >> IB) == (after >> IB);
+    const bool exhausted = more && c1 == 0u;
+    int id;
+    if (!tl.any(collide || exhausted))
+      id = slot > IM ? static_cast<int>(IM - (slot & IM)) : -1;
+    else
+      id = exact_topk_t<V, TPW>(tl, ek, K);
+
+    // Weights from the selected logits, recomputed by the slot lanes.
+    const bool used = hl < K && id >= 0;
+    const float xs = used ? load_elem(row, id) : 0.0f;
+    float q = 0.0f;
+    if constexpr (SF == kScoreSoftmax) {
+      if (used) q = softmax_prob(xs, mx, inv, sat, pv);
+    } else if constexpr (SF == kScoreSigmoid) {
+      if (used) q = sig_direct ? sigmoid_score(xs) : sigmoid_shared(expf(__fsub_rn(xs, mx)), e_neg_max);
+    } else {
+      const float m2 = __shfl_sync(tl.mask, slots_max(tl, used ? xs : -CUDART_INF_F), tl.base);
+      if (tl.any(used)) {
+        if (isinf(m2)) {
+          const bool hit = used && xs == m2;
+          const int top = __popc(tl.ballot(hit) & 0xffffu);
+          q = hit ? 1.0f / static_cast<float>(top) : 0.0f;
+        } else {
+          const float ex = used ? expf(__fsub_rn(xs, m2)) : 0.0f;
+          const float s2 = slots_sum(tl, ex);
+          q = hl < 16 ? ex / s2 : 0.0f;
+        }
+      }
+    }
+    const float Q = slots_sum(tl, q);
+    const bool divide = p.normalize && Q > 0.0f;
+    const float wgt = p.scale * (divide ? q / Q : q);
+    if (hl < K) store_slot(p, o, used ? id : -1, used ? wgt : 0.0f);
+  }
+}
+
+// The per-kernel part of FastTokenSetup. Groups: aligned, group g is the token's lanes
+// [g * lpg, (g + 1) * lpg); otherwise (one token per warp only) the legacy layout: lane l's elements
+// j < jb[l] belong to group gf[l], the others to gf[l] + 1 (warp 0 writes s_lane_gf / s_lane_jb, so
+// the block synchronises before the first token). Warp-collective.
+template <int V, int SF, int TPW>
+__device__ __forceinline__ FastTokenSetup<TPW> fast_token_setup(const FwdParams& p, int lane, int warp,
+                                                                const float* s_bias, int* s_lane_gf, int* s_lane_jb) {
+  FastTokenSetup<TPW> ts{TokenLanes<TPW>(lane)};
+  const int E = p.E, G = p.G, per = p.per;
+  ts.lane = lane;
+  ts.e0 = ts.tl.hl * V;
+  ts.want_prob = p.prob_sum != nullptr;
+  ts.want_scal = p.scalars != nullptr;
+  ts.need_softmax = SF == kScoreSoftmax || ts.want_scal || (SF == kScoreSoftmaxAfterTopk && ts.want_prob);
+  ts.s_bias = s_bias;
+  ts.s_lane_gf = s_lane_gf;
+  ts.s_lane_jb = s_lane_jb;
+  ts.grouped = G > 1;
+  ts.lpg = ts.grouped && per % V == 0 ? per / V : 0;
+  ts.aligned = ts.lpg > 0 && (ts.lpg & (ts.lpg - 1)) == 0;
+  ts.any_straddle = false;
+  ts.ncover = 0;
+  if constexpr (TPW == 1) {
+    if (ts.grouped && !ts.aligned) {
+      const int e0 = ts.e0;
+      int gf = kMaxGroups + 1, jb = V;
+      if (e0 < E) {
+        gf = e0 / per;
+        jb = (gf + 1) * per - e0;
+      }
+      if (warp == 0) {
+        s_lane_gf[lane] = gf;
+        s_lane_jb[lane] = jb;
+      }
+      ts.any_straddle = __any_sync(kFull, e0 < E && jb < V && e0 + jb < E);
+      const int cover = lane < G ? ((lane + 1) * per - 1) / V - (lane * per) / V + 1 : 0;
+      ts.ncover = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cover)));
+    }
+  }
+  ts.my_group = ts.grouped ? ts.e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
+  return ts;
+}
+
 // V: experts per lane; TPW: tokens per warp (2: a half-warp per token; then K <= 15, E <= 16 V,
 // and groups, if any, aligned to lanes -- the launcher checks).
 template <int V, class LT, int SF, int TPW>
@@ -327,10 +689,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
   static_assert(TPW == 1 || (TPW == 2 && V >= 2), "two tokens per warp pair the legacy lanes");
   constexpr int LPT = 32 / TPW;  // lanes per token
   constexpr int EP = LPT * V;    // experts per token, padded
-  constexpr int IB = EP == 32 ? 5 : EP == 64 ? 6 : EP == 128 ? 7 : EP == 256 ? 8 : 9;
-  constexpr uint32_t IM = (1u << IB) - 1u;
-  constexpr int VH = TPW == 1 ? V : V / 2;  // elements of one legacy lane
-  constexpr int kRows = kWarps * TPW;       // statistics rows of a block (one per token stream)
+  constexpr int kRows = kWarps * TPW;  // statistics rows of a block (one per token stream)
 
   __shared__ __align__(16) float s_red[kRows][EP];
   __shared__ __align__(16) float s_bias[EP];
@@ -343,41 +702,13 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
   __shared__ int s_flag;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const TokenLanes<TPW> tl(lane);
-  const int hl = tl.hl, stream = warp * TPW + (lane >> 4) * (TPW - 1);
-  const int E = p.E, K = p.K, G = p.G, per = p.per;
-  const int e0 = hl * V;
-  const bool want_prob = p.prob_sum != nullptr, want_scal = p.scalars != nullptr;
-  const bool need_softmax = SF == kScoreSoftmax || want_scal || (SF == kScoreSoftmaxAfterTopk && want_prob);
+  const int E = p.E;
   const LT* logits = static_cast<const LT*>(p.logits);
 
   stage_bias(s_bias, p, EP);
-
-  // Groups. Aligned: group g is the token's lanes [g * lpg, (g + 1) * lpg). Otherwise (one token
-  // per warp only) the legacy layout: lane l's elements j < jb[l] belong to group gf[l], the
-  // others to gf[l] + 1.
-  const bool grouped = G > 1;
-  const int lpg = grouped && per % V == 0 ? per / V : 0;
-  const bool aligned = lpg > 0 && (lpg & (lpg - 1)) == 0;
-  bool any_straddle = false;
-  int ncover = 0;
-  if constexpr (TPW == 1) {
-    if (grouped && !aligned) {
-      int gf = kMaxGroups + 1, jb = V;
-      if (e0 < E) {
-        gf = e0 / per;
-        jb = (gf + 1) * per - e0;
-      }
-      if (warp == 0) {
-        s_lane_gf[lane] = gf;
-        s_lane_jb[lane] = jb;
-      }
-      any_straddle = __any_sync(kFull, e0 < E && jb < V && e0 + jb < E);
-      const int cover = lane < G ? ((lane + 1) * per - 1) / V - (lane * per) / V + 1 : 0;
-      ncover = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cover)));
-    }
-  }
-  const int my_group = grouped ? e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
+  const FastTokenSetup<TPW> ts = fast_token_setup<V, SF, TPW>(p, lane, warp, s_bias, s_lane_gf, s_lane_jb);
+  const int hl = ts.tl.hl, e0 = ts.e0, stream = warp * TPW + (lane >> 4) * (TPW - 1);
+  const bool want_prob = ts.want_prob, want_scal = ts.want_scal;
   const bool merged = stats_merged(p, want_prob, want_scal);
   if (tid == 0) {
     s_blk_lse = 0.0f;
@@ -407,290 +738,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
 
       float x[V];
       unpack_row<V, LT>(cur, x);
-      // The lane's max over eligible logits: fmaxf ignores NaN, and stays NaN only when every
-      // element of the lane is NaN. One redux gives the row max as an order key, 0 when no lane
-      // of the token has an eligible expert.
-      float lmx = __uint_as_float(0x7fc00000u);
-#pragma unroll
-      for (int j = 0; j < V; ++j) lmx = fmaxf(lmx, x[j]);
-      const uint32_t mkey = tl.max(isnan(lmx) ? 0u : order_key2(lmx));
-      const int64_t o = t * K + hl;
-      if (mkey == 0u) {
-        if (hl < K) store_slot(p, o, -1, 0.0f);
-      } else {
-        const float mx = key_to_float(mkey);
-
-        // pr: softmax probabilities (sigmoid mode: exp(x - max)), NaN exactly where the logit is
-        // NaN (ineligible); sums and statistics add fmaxf(v, 0), which is v for the others.
-        float pr[V];
-        float inv = 0.0f, pv = 0.0f, lse = 0.0f;
-        float suma = 0.0f, sumb = 0.0f;
-        bool sat = false;
-        if (need_softmax) {
-          if (isinf(mx)) {  // uniform over the token
-            unsigned cnt = 0;
-#pragma unroll
-            for (int j = 0; j < V; ++j) cnt += x[j] == mx ? 1u : 0u;
-            const unsigned top = tl.add(cnt);
-            pv = 1.0f / static_cast<float>(top);
-#pragma unroll
-            for (int j = 0; j < V; ++j) pr[j] = isnan(x[j]) ? x[j] : (x[j] == mx ? pv : 0.0f);
-            lse = mx;
-            sat = true;
-          } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-              pr[j] = expf(__fsub_rn(x[j], mx));  // finite max: NaN iff x is NaN
-              if (j < VH)
-                suma += fmaxf(pr[j], 0.0f);
-              else
-                sumb += fmaxf(pr[j], 0.0f);
-            }
-            if constexpr (SF != kScoreSigmoid) {
-              const float sum = token_sum(tl, suma, sumb);
-              inv = 1.0f / sum;
-#pragma unroll
-              for (int j = 0; j < V; ++j) pr[j] = __fmul_rn(pr[j], inv);
-              if (want_scal) lse = mx + logf(sum);
-            }
-          }
-        }
-
-        float sg[V];
-        float ssum = 0.0f, e_neg_max = 0.0f;
-        bool sig_direct = true;
-        if constexpr (SF == kScoreSigmoid) {
-          float lmn = __uint_as_float(0x7fc00000u);  // the lane's min over eligible logits
-#pragma unroll
-          for (int j = 0; j < V; ++j) lmn = fminf(lmn, x[j]);
-          if (need_softmax && !sat) {
-            // Rounding is monotonic: min(x) - max < -16 iff some x - max < -16 (NaN never is).
-            sig_direct = tl.any(__fsub_rn(lmn, mx) < -16.0f);
-            if (!sig_direct) e_neg_max = expf(-mx);
-          }
-          // The reciprocals' fast path where the denominators are in range for the whole token:
-          // 1 + exp(-x) < 2^126 when x > -80; u + exp(-max) is in [e^-16, 2^126) when max > -80.
-          // Otherwise the same expressions with __frcp_rn. NaN in, NaN out either way.
-          float ssa = 0.0f, ssb = 0.0f;
-          if (sig_direct) {
-            if (!tl.any(lmn <= -80.0f)) {
-#pragma unroll
-              for (int j = 0; j < V; ++j) sg[j] = rcp_rn_normal(__fadd_rn(1.0f, expf(-x[j])));
-            } else {
-#pragma unroll
-              for (int j = 0; j < V; ++j) sg[j] = sigmoid_score(x[j]);
-            }
-          } else if (mx > -80.0f) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) sg[j] = __fmul_rn(pr[j], rcp_rn_normal(__fadd_rn(pr[j], e_neg_max)));
-          } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) sg[j] = sigmoid_shared(pr[j], e_neg_max);
-          }
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            if (j < VH)
-              ssa += fmaxf(sg[j], 0.0f);
-            else
-              ssb += fmaxf(sg[j], 0.0f);
-          }
-          // The logsumexp's sum and the scores' sum share one butterfly.
-          if (need_softmax && !sat) {
-            if (want_prob) {
-              token_sum2(tl, suma, sumb, ssa, ssb);
-              ssum = ssa;
-            } else {
-              suma = token_sum(tl, suma, sumb);
-            }
-            if (want_scal) lse = mx + logf(suma);
-          } else if (want_prob) {
-            ssum = token_sum(tl, ssa, ssb);
-          }
-        }
-
-        if (want_prob) {
-          if constexpr (SF == kScoreSigmoid) {
-            const float is = ssum > 0.0f ? 1.0f / ssum : 0.0f;
-#pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] += fmaxf(sg[j], 0.0f) * is;
-          } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] += fmaxf(pr[j], 0.0f);
-          }
-        }
-        if (want_scal) {
-          w_lse += lse * lse;
-          ++w_cnt;
-        }
-
-        // Exact selection keys (0 = ineligible). Scores are finite where eligible and the bias is
-        // never NaN, so the sum is NaN exactly for the ineligible ones.
-        uint32_t ek[V];
-        {
-          float bias[V];
-          load_bias<V>(bias, s_bias, e0);
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            if constexpr (SF == kScoreSoftmax) {
-              const float sel = __fadd_rn(pr[j], bias[j]);
-              ek[j] = isnan(sel) ? 0u : order_key2(sel);
-            } else if constexpr (SF == kScoreSigmoid) {
-              const float sel = __fadd_rn(sg[j], bias[j]);
-              ek[j] = isnan(sel) ? 0u : order_key2(sel);
-            } else {
-              float sel = __fadd_rn(__fadd_rn(x[j], bias[j]), 0.0f);  // -0 -> +0
-              if (isnan(sel)) sel = -CUDART_INF_F;                      // inf + -inf
-              ek[j] = isnan(x[j]) ? 0u : order_key2(sel);
-            }
-          }
-        }
-
-        if (grouped) {
-          if (TPW == 2 || aligned) {
-            // The group's top-2 keys: each lane's, then an xor butterfly over the group's lanes
-            // (the top-2 of a multiset does not depend on the merge order).
-            uint32_t g1 = 0, g2 = 0;
-#pragma unroll
-            for (int j = 0; j < V; ++j) top2(g1, g2, ek[j]);
-            for (int off = 1; off < lpg; off <<= 1) {
-              const uint32_t b1 = __shfl_xor_sync(tl.mask, g1, off), b2 = __shfl_xor_sync(tl.mask, g2, off);
-              merge2(g1, g2, b1, b2);
-            }
-            float gs;
-            if (g1 == 0u)
-              gs = -CUDART_INF_F;
-            else if (g2 == 0u)
-              gs = key_to_float(g1);
-            else {
-              gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
-              if (isnan(gs)) gs = -CUDART_INF_F;
-            }
-            const uint32_t gk = order_key2(gs);
-            int rank = 0;
-#pragma unroll
-            for (int gi = 0; gi < kMaxGroups; ++gi) {
-              if (gi >= G) break;
-              const uint32_t other = __shfl_sync(tl.mask, gk, tl.base + gi * lpg);
-              rank += (other > gk || (other == gk && gi < my_group)) ? 1 : 0;
-            }
-            const bool kept = my_group < G && rank < p.group_topk;
-#pragma unroll
-            for (int j = 0; j < V; ++j) ek[j] = kept ? ek[j] : 0u;
-          } else if constexpr (TPW == 1) {
-            // The legacy general layout (see route_forward_kernel).
-            const int gf = s_lane_gf[lane], jb = s_lane_jb[lane];
-            const int g_first = (lane * per) / V, g_last = lane < G ? ((lane + 1) * per - 1) / V : -1;
-            uint32_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
-            if (!any_straddle) {
-#pragma unroll
-              for (int j = 0; j < V; ++j) top2(a1, a2, ek[j]);
-            } else {
-#pragma unroll
-              for (int j = 0; j < V; ++j) {
-                const bool in_b = j >= jb;
-                top2(a1, a2, in_b ? 0u : ek[j]);
-                top2(b1, b2, in_b ? ek[j] : 0u);
-              }
-            }
-            uint32_t g1 = 0, g2 = 0;
-            for (int i = 0; i < ncover; ++i) {
-              const int src = min(g_first + i, 31);
-              const uint32_t sa1 = __shfl_sync(kFull, a1, src), sa2 = __shfl_sync(kFull, a2, src);
-              const int sgf = __shfl_sync(kFull, gf, src);
-              uint32_t sb1 = 0, sb2 = 0;
-              if (any_straddle) {
-                sb1 = __shfl_sync(kFull, b1, src);
-                sb2 = __shfl_sync(kFull, b2, src);
-              }
-              if (lane < G && g_first + i <= g_last) {
-                if (sgf == lane)
-                  merge2(g1, g2, sa1, sa2);
-                else
-                  merge2(g1, g2, sb1, sb2);
-              }
-            }
-            uint32_t gk = 0;
-            if (lane < G) {
-              float gs;
-              if (g1 == 0u)
-                gs = -CUDART_INF_F;
-              else if (g2 == 0u)
-                gs = key_to_float(g1);
-              else {
-                gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
-                if (isnan(gs)) gs = -CUDART_INF_F;
-              }
-              gk = order_key(gs);
-            }
-            int rank = 0;
-#pragma unroll
-            for (int gi = 0; gi < kMaxGroups; ++gi) {
-              if (gi >= G) break;
-              const uint32_t other = __shfl_sync(kFull, gk, gi);
-              rank += (other > gk || (other == gk && gi < lane)) ? 1 : 0;
-            }
-            const uint32_t kept = __ballot_sync(kFull, lane < G && rank < p.group_topk);
-            const bool ka = (kept >> gf) & 1u, kb = (kept >> (gf + 1)) & 1u;
-#pragma unroll
-            for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
-          }
-        }
-
-        // Fast top-k on composite keys, exact fallback (route_forward_kernel's file note). A pick
-        // <= IM (no candidate left anywhere) may shift a lane's cache: later picks are <= IM too,
-        // and those only ever give -1.
-        uint32_t c1 = 0, c2 = 0, c3 = 0;
-        const uint32_t cbase = IM - static_cast<uint32_t>(e0);
-#pragma unroll
-        for (int j = 0; j < V; ++j) top3(c1, c2, c3, (ek[j] & ~IM) | (cbase - static_cast<uint32_t>(j)));
-        const bool more = c3 > IM;
-        uint32_t slot = 0;
-#pragma unroll
-        for (int r = 0; r <= kMaxTopk; ++r) {
-          if (r > K) break;
-          const uint32_t m = tl.max(c1);
-          if (hl == r) slot = m;
-          const bool won = c1 == m;
-          c1 = won ? c2 : c1;
-          c2 = won ? c3 : c2;
-          c3 = won ? 0u : c3;
-        }
-        const uint32_t after = __shfl_down_sync(tl.mask, slot, 1, LPT);  // the token's last lane keeps its own
-        const bool collide = hl < K && after > IM && (slot >> IB) == (after >> IB);
-        const bool exhausted = more && c1 == 0u;
-        int id;
-        if (!tl.any(collide || exhausted))
-          id = slot > IM ? static_cast<int>(IM - (slot & IM)) : -1;
-        else
-          id = exact_topk_t<V, TPW>(tl, ek, K);
-
-        // Weights from the selected logits, recomputed by the slot lanes.
-        const bool used = hl < K && id >= 0;
-        const float xs = used ? load_elem(row, id) : 0.0f;
-        float q = 0.0f;
-        if constexpr (SF == kScoreSoftmax) {
-          if (used) q = softmax_prob(xs, mx, inv, sat, pv);
-        } else if constexpr (SF == kScoreSigmoid) {
-          if (used) q = sig_direct ? sigmoid_score(xs) : sigmoid_shared(expf(__fsub_rn(xs, mx)), e_neg_max);
-        } else {
-          const float m2 = __shfl_sync(tl.mask, slots_max(tl, used ? xs : -CUDART_INF_F), tl.base);
-          if (tl.any(used)) {
-            if (isinf(m2)) {
-              const bool hit = used && xs == m2;
-              const int top = __popc(tl.ballot(hit) & 0xffffu);
-              q = hit ? 1.0f / static_cast<float>(top) : 0.0f;
-            } else {
-              const float ex = used ? expf(__fsub_rn(xs, m2)) : 0.0f;
-              const float s2 = slots_sum(tl, ex);
-              q = hl < 16 ? ex / s2 : 0.0f;
-            }
-          }
-        }
-        const float Q = slots_sum(tl, q);
-        const bool divide = p.normalize && Q > 0.0f;
-        const float wgt = p.scale * (divide ? q / Q : q);
-        if (hl < K) store_slot(p, o, used ? id : -1, used ? wgt : 0.0f);
-      }
+      fast_route_token<V, LT, SF, TPW>(p, ts, row, t, x, acc, w_lse, w_cnt);
 
       cur = nxt;
       t += step;

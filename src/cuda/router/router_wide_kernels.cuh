@@ -29,6 +29,7 @@
 // the next row pair is loaded while the current one is processed.
 #pragma once
 
+#include "cuda/router/router_approx_math.cuh"
 #include "cuda/router/router_fast_kernels.cuh"
 
 namespace epx::cuda::router_kernels {
@@ -36,23 +37,6 @@ namespace epx::cuda::router_kernels {
 constexpr int kWideLanes = 16;     // lanes per token
 constexpr int kWideStreams = 2 * kWarps;  // token streams of a block (a half-warp each)
 constexpr int kWideMinBlocks = 2;
-constexpr float kLog2e = 1.4426950408889634f;
-
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float lg2_approx(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // exp(x - m) given ml = m * log2(e); NaN in, NaN out; -inf gives 0.
 __device__ __forceinline__ float exp_shifted(float x, float ml) { return ex2_approx(fmaf(x, kLog2e, -ml)); }
