@@ -11,9 +11,17 @@
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
 // route_forward is timed with each kernel ("kernel": "wide" = the default, two tokens per warp with
-// fast exponentials, where the shape allows, else fast1; "fast1" = the bit-exact fast kernel with one
-// token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel,
-// EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
+// fast exponentials, where the shape allows, else fast1; "lean" = one token per warp, no max
+// subtraction, fp32 logits with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with
+// one token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the earlier
+// kernel, EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
+//
+// Prediction for "lean" (2026-11-24, before any GPU run; from SASS of the token loop, fast path):
+// ~283 warp instructions per token at softmax top-8 with statistics (wide: 428 under ncu) and
+// ~450 at DeepSeek-V3 (wide: 710), with 24 resident warps per SM instead of 14-16 and rows staged
+// four deep in shared memory. Same issue efficiency as wide would give ~13 / ~19 us; the 10 us
+// target needs ~60% of the issue slots busy at softmax (wide: 37-44%) and is not expected at
+// DeepSeek-V3.
 //
 // Prediction for "wide" (2026-11-22, before any GPU run; from an Nsight Compute profile of fast1:
 // 689 warp instructions per token at softmax top-8, 44% issue utilisation, 168K local-memory spill
@@ -289,9 +297,14 @@ int main() {
       fwd.push_back(dec);
     }
     for (const Case& k : fwd)
-      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kWide, epx::cuda::RouterKernel::kFast,
-                                           epx::cuda::RouterKernel::kFastOneTokenPerWarp, epx::cuda::RouterKernel::kLegacy})
+      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kLean, epx::cuda::RouterKernel::kWide,
+                                           epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
+                                           epx::cuda::RouterKernel::kLegacy}) {
+        // lean serves fp32 logits with E in {128, 256, 512} (else it would run wide under its name)
+        const bool lean_shape = k.dt == DType::kF32 && (k.E == 128 || k.E == 256 || k.E == 512);
+        if (kern == epx::cuda::RouterKernel::kLean && !lean_shape) continue;
         bench_forward(k, hbm, kern);
+      }
     epx::cuda::set_router_kernel(initial);
 
     for (const Case& base : {softmax, ds})

@@ -326,6 +326,8 @@ TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
       {make_config(96, 16, SF::kSoftmaxAfterTopk, 16, 5), DType::kF32, DType::kI32},
       {make_config(512, 16, SF::kSoftmax), DType::kF32, DType::kI64},
       {make_config(12, 5, SF::kSigmoid, 3, 2, true), DType::kF32, DType::kI32},
+      {make_config(128, 6, SF::kSoftmaxAfterTopk, 4, 2, true), DType::kF32, DType::kI32},
+      {make_config(256, 12, SF::kSoftmax, 16, 4), DType::kF32, DType::kI32},
   };
   for (const Case& k : cases) {
     const RouterConfig& c = k.c;
@@ -365,7 +367,13 @@ TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
     const Tensor b = c.use_expert_bias ? host_tensor({E}, DType::kF32, bias) : Tensor();
     const std::string what = describe(c, k.dt, k.idx_dt, T) + " (adversarial rows)";
     const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
-    for (double poison : kPoisons) expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu, what);
+    for (cuda::RouterKernel kern : {cuda::RouterKernel::kWide, cuda::RouterKernel::kLean}) {
+      cuda::set_router_kernel(kern);
+      for (double poison : kPoisons)
+        expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
+                             what + " kernel " + cuda::router_kernel_name(kern));
+    }
+    cuda::set_router_kernel(cuda::RouterKernel::kWide);
   }
 }
 
@@ -577,6 +585,20 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
                              std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
     }
   }
+  // The lean kernel serves fp32 logits only; its fallback rows (ties, NaN, infinities) are in the mix.
+  cuda::set_router_kernel(cuda::RouterKernel::kLean);
+  for (AuxLossType aux : {AuxLossType::kGlobalBatch, AuxLossType::kSequence}) {
+    RouterConfig c = make_config(256, 8, ScoreFunction::kSigmoid, 8, 4, true, true, 2.5f);
+    c.aux_loss = aux;
+    c.seq_len = 4096;
+    const int64_t T = 32768;
+    const Tensor b = host_tensor({256}, DType::kF32, random_bias(256, 5, 0.05));
+    const Tensor logits = host_tensor({T, 256}, DType::kF32, mixed_rows(c, T, DType::kF32, 98));
+    const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
+    for (int run = 0; run < 3; ++run)
+      expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
+                           "lean run " + std::to_string(run + 1));
+  }
   cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 
@@ -607,6 +629,95 @@ TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
                              describe(c, k.dt, k.idx_dt, T) + " kernel " + cuda::router_kernel_name(kern));
       }
     }
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+}
+
+// The lean kernel, forced, against the reference on its shapes: fp32 logits, E in {128, 256, 512},
+// K from 1 to 16 (lane caches of 3 and 4 keys), groups of 2 to 16 lanes, every score function,
+// global and sequence statistics. Rows are NaN-free (but rows 3 and 4, and a few NaNs at T = 517),
+// so the fast path decides most of them and the exact fallback the rest.
+TEST(RouterGpuForward, LeanKernelMatchesReference) {
+  EPX_REQUIRE_GPU();
+  using SF = ScoreFunction;
+  std::vector<Case> cases = {
+      {make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32},
+      {make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f), DType::kF32, DType::kI64},
+      {make_config(256, 8, SF::kSoftmaxAfterTopk, 4, 2, true, true), DType::kF32, DType::kI32},
+      {make_config(256, 16, SF::kSoftmax, 16, 5, false, true), DType::kF32, DType::kI32},
+      {make_config(256, 9, SF::kSigmoid), DType::kF32, DType::kI32},
+      {make_config(256, 1, SF::kSoftmax, 2, 1, true), DType::kF32, DType::kI32},
+      {make_config(128, 8, SF::kSigmoid, 4, 2, true, true, 2.5f), DType::kF32, DType::kI32},
+      {make_config(128, 16, SF::kSoftmaxAfterTopk), DType::kF32, DType::kI64},
+      {make_config(512, 8, SF::kSigmoid, 16, 4, true, true, 2.5f), DType::kF32, DType::kI32},
+      {make_config(512, 12, SF::kSoftmax, 1, 1, true, false, 1.5f), DType::kF32, DType::kI32},
+  };
+  RouterConfig seq = make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f);
+  seq.aux_loss = AuxLossType::kSequence;
+  seq.seq_len = 256;  // several chunks per sequence at T = 16384; one sequence where it does not divide T
+  cases.push_back({seq, DType::kF32, DType::kI32});
+  uint64_t seed = 1300;
+  for (const Case& k : cases)
+    for (int64_t T : {int64_t{16384}, int64_t{517}, int64_t{33}, int64_t{1}}) {
+      RouterConfig c = k.c;
+      if (c.aux_loss == AuxLossType::kSequence && T % c.seq_len != 0) c.seq_len = static_cast<int>(T);
+      const std::vector<double> bias = c.use_expert_bias ? random_bias(c.num_experts, seed + 3, 0.05) : std::vector<double>();
+      const Tensor b = c.use_expert_bias ? host_tensor({c.num_experts}, DType::kF32, bias) : Tensor();
+      const Tensor logits = random_logits(c, T, k.dt, bias, seed++, 2.0, T == 517 ? 0.001 : 0.0);
+      const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
+      cuda::set_router_kernel(cuda::RouterKernel::kLean);
+      for (double poison : kPoisons)
+        expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
+                             describe(c, k.dt, k.idx_dt, T) + " kernel lean");
+    }
+  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+}
+
+// One batch in which the lean kernel's two paths alternate token by token, so that a chunk's
+// statistics join the fast path's and the fallback's: well-separated random rows (fast), rows
+// whose 8 best experts all sit in one lane (a lane's cache runs dry: the rescan, then the
+// fallback), rows of small integers (exact ties: the fallback) and rows with an infinity or NaN
+// (the fallback's non-finite handling). Against the reference, and bit for bit run to run.
+TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
+  EPX_REQUIRE_GPU();
+  using SF = ScoreFunction;
+  for (const RouterConfig& c : {make_config(256, 8, SF::kSoftmax), make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f),
+                                make_config(512, 16, SF::kSoftmaxAfterTopk, 1, 1, false, true)}) {
+    const int E = c.num_experts, V = E / 32;
+    const int64_t T = 3000;
+    const std::vector<double> bias = c.use_expert_bias ? random_bias(E, 17, 0.05) : std::vector<double>();
+    const Tensor b = c.use_expert_bias ? host_tensor({E}, DType::kF32, bias) : Tensor();
+    std::mt19937_64 rng(4242 + E);
+    std::normal_distribution<double> normal(0.0, 2.0);
+    std::uniform_int_distribution<int> small(0, 3);
+    std::vector<double> rows(static_cast<size_t>(T) * E), row(E);
+    for (int64_t t = 0; t < T; ++t) {
+      const int kind = static_cast<int>(t % 4);
+      bool ok = false;
+      for (int attempt = 0; attempt < 1000 && !ok; ++attempt) {
+        for (int e = 0; e < E; ++e) row[e] = round_to_dtype(normal(rng), DType::kF32);
+        if (kind == 1) {  // the lane (t / 4) % 32 holds the row's V largest logits, well apart
+          const int lane = static_cast<int>((t / 4) % 32);
+          for (int i = 0; i < V; ++i) row[lane * V + i] = round_to_dtype(6.0 + 0.37 * i + 0.01 * normal(rng), DType::kF32);
+        } else if (kind == 2) {
+          for (int e = 0; e < E; ++e) row[e] = small(rng);
+        } else if (kind == 3) {
+          row[static_cast<size_t>(t % E)] = t % 8 == 3 ? kNaN : (t % 8 == 7 ? -kInf : kInf);
+        }
+        ok = well_separated(c, row, bias);  // exact ties pass, near ones (a bias sum) do not
+      }
+      ASSERT_TRUE(ok) << "could not draw row " << t;
+      std::copy(row.begin(), row.end(), rows.begin() + t * E);
+    }
+    const Tensor logits = host_tensor({T, E}, DType::kF32, rows);
+    const std::string what = describe(c, DType::kF32, DType::kI32, T) + " kernel lean, mixed rows";
+    const Routed cpu = forward_on(Device::cpu(), c, logits, b, DType::kI32);
+    cuda::set_router_kernel(cuda::RouterKernel::kLean);
+    const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
+    expect_forward_match(first, cpu, what);
+    for (int run = 0; run < 2; ++run)
+      expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
+                           what + " run " + std::to_string(run + 2));
+  }
   cuda::set_router_kernel(cuda::RouterKernel::kWide);
 }
 

@@ -29,6 +29,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_kernels.cuh"
+#include "cuda/router/router_lean.h"
 #include "cuda/router/router_wide.h"
 #include "epx/error.h"
 
@@ -143,6 +144,7 @@ RouterKernel resolve_router_kernel() {
     if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(RouterKernel::kLegacy);
     if (v != nullptr && std::strcmp(v, "fast") == 0) want = static_cast<int>(RouterKernel::kFast);
     if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
+    if (v != nullptr && std::strcmp(v, "lean") == 0) want = static_cast<int>(RouterKernel::kLean);
     int expected = -1;
     g_router_kernel.compare_exchange_strong(expected, want);
     k = g_router_kernel.load(std::memory_order_relaxed);
@@ -277,6 +279,7 @@ const char* router_kernel_name(RouterKernel k) {
     case RouterKernel::kLegacy: return "legacy";
     case RouterKernel::kFastOneTokenPerWarp: return "fast1";
     case RouterKernel::kWide: return "wide";
+    case RouterKernel::kLean: return "lean";
     default: return "fast";
   }
 }
@@ -324,15 +327,22 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   p.scale = c.routed_scaling_factor;
   const int elem = static_cast<int>(dtype_size(logits.dtype()));
   p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
-  // The wide kernel runs one chunk per block (2 blocks per SM); the others up to kMaxChunks blocks.
-  const bool wide = resolve_router_kernel() == RouterKernel::kWide &&
-                    wide_router_supports(p, logits.dtype() == DType::kBF16);
-  const int64_t max_chunks = wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks()) : rk::kMaxChunks;
+  // The wide and lean kernels run one chunk per block (2 / 3 blocks per SM at E = 256); the others
+  // up to kMaxChunks blocks. Lean falls back to wide, then to the fast kernels, where its shape is
+  // not served.
+  const bool bf16 = logits.dtype() == DType::kBF16;
+  const RouterKernel want = resolve_router_kernel();
+  const bool lean = want == RouterKernel::kLean && lean_router_supports(p, bf16);
+  const bool wide = !lean && (want == RouterKernel::kWide || want == RouterKernel::kLean) && wide_router_supports(p, bf16);
+  const int64_t max_chunks = lean   ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
+                             : wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks())
+                                    : rk::kMaxChunks;
 
   const int64_t L = c.aux_loss == AuxLossType::kSequence ? c.seq_len : T;
   const int64_t S = T / L;
   int64_t ct = std::max<int64_t>(8, ceil_div(T, max_chunks));
   if (wide) ct = ceil_div(ct, 2 * rk::kWarps) * (2 * rk::kWarps);  // whole rounds of the block's token pairs
+  if (lean) ct = ceil_div(ct, rk::kWarps) * rk::kWarps;             // whole rounds of the block's warps
   if (L <= ct) {
     p.C = L;
     p.bps = 1;
@@ -361,7 +371,9 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
                  " not above the ", V, " experts per lane");
   const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, max_chunks));
   const int sf = score_kind(c.score_function);
-  if (wide)
+  if (lean)
+    launch_route_forward_lean(sf, grid, s, p);
+  else if (wide)
     launch_route_forward_wide(sf, grid, s, p);
   else if (logits.dtype() == DType::kF32)
     launch_forward_v<float>(V, sf, grid, s, p);
