@@ -4,8 +4,8 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [ncu] [tests] [mptests] [memcheck] [bench] [epbench] [eptrace] [layer]
-#                            [profile] [python] [pip] [pybench] [jaxbench]
+# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [epbench] [eptrace]
+#                            [layer] [profile] [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -28,6 +28,11 @@
 # writes per-kernel and timeline CSVs (eptrace_*.csv).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
+# router is the router's whole check in one step, for a build of the two binaries it needs
+# (`TARGETS="epx_tests_gpu bench_router" scripts/gpu_check.sh build router`): the router GPU tests
+# (router_tests.log), memcheck over the lean kernel's tests (router_memcheck.log), bench_router beside
+# PyTorch's two routes (router.jsonl), and, where Nsight Compute is installed, a report of the lean and
+# wide kernels at T = 16384 for softmax top-8 and DeepSeek-V3 (ncu_router_{lean,wide}_{softmax,dsv3}.*).
 # ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
 # DeepSeek-V3 router, fp32 logits; T = 4096 prepare) and writes each report's details and per-instruction SASS counters as text.
 # python runs the Python package's pytest suites from the build tree (python_tests.log; PY_TESTS narrows
@@ -93,6 +98,37 @@ if has ncu; then
     summary "ncu: $(ls "$OUT"/ncu_*.details.txt 2>/dev/null | wc -l) reports"
   else
     summary "ncu: not found"
+  fi
+fi
+
+if has router; then
+  timeout 900 "$BUILD/tests/epx_tests_gpu" --gtest_filter='RouterGpu*' >"$OUT/router_tests.log" 2>&1
+  summary "router tests: rc=$? $(grep -E '^\[  PASSED' "$OUT/router_tests.log" | head -1) $(grep -E '^\[  FAILED  \] [0-9]+ test' "$OUT/router_tests.log" | head -1)"
+  grep -E "Failure" -A6 "$OUT/router_tests.log" | head -60
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/epx_tests_gpu" \
+      --gtest_filter='RouterGpu*Lean*:RouterGpuForward.MatchesReferenceOnTiesAndNonFiniteRows' >"$OUT/router_memcheck.log" 2>&1
+    summary "router memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/router_memcheck.log" | tail -1)"
+  fi
+  timeout 300 "$BUILD/bin/bench_router" >"$OUT/router.jsonl" 2>>"$OUT/bench.err" || summary "router bench: rc=$?"
+  PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py --ops router >>"$OUT/router.jsonl" 2>>"$OUT/bench.err" ||
+    summary "router bench: torch baseline failed"
+  # The T = 16384 fp32 lines with statistics, side by side (the targets' shapes).
+  grep '"op":"route_forward"' "$OUT/router.jsonl" | grep '"T":16384' | grep '"dtype":"fp32"' | grep '"stats":"global+z"' |
+    sed -E 's/.*"case":"([^"]*)".*"kernel":"([^"]*)".*"us":([0-9.]+),.*"hbm_fraction":([0-9.]+).*/\1 \2 \3 us \4 HBM/' | tee -a "$OUT/summary.txt"
+  if command -v ncu >/dev/null 2>&1; then
+    ncu_router() {  # ncu_router NAME KERNEL_REGEX: the bench's first launch of that kernel
+      timeout 300 ncu --clock-control none --set full --import-source no --kernel-name-base demangled -k "regex:$2" -c 1 \
+        -f -o "$OUT/ncu_router_$1" "$BUILD/bin/bench_router" >"$OUT/ncu_router_$1.run.log" 2>&1 || summary "ncu $1: rc=$?"
+      ncu -i "$OUT/ncu_router_$1.ncu-rep" --page details >"$OUT/ncu_router_$1.details.txt" 2>&1
+      rm -f "$OUT/ncu_router_$1.ncu-rep"
+    }
+    # Demangled template arguments may read (int)8 or (bool)1: the patterns allow either spelling.
+    ncu_router lean_softmax 'route_forward_lean_kernel<[^,]*8, [^,]*0, [^,]*3, [^,]*(false|0), [^,]*(false|0)>'
+    ncu_router lean_dsv3 'route_forward_lean_kernel<[^,]*8, [^,]*2, [^,]*3, [^,]*(true|1), [^,]*(true|1)>'
+    ncu_router wide_softmax 'route_forward_wide_kernel<[^,]*16, float, [^,]*0>'
+    ncu_router wide_dsv3 'route_forward_wide_kernel<[^,]*16, float, [^,]*2>'
+    summary "router ncu: $(ls "$OUT"/ncu_router_*.details.txt 2>/dev/null | wc -l) reports"
   fi
 fi
 
