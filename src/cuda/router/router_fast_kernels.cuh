@@ -54,13 +54,6 @@ struct FastBounds {
   static constexpr int kMinBlocks = (TPW == 2 && V >= 8) || V >= 16 ? 2 : 4;
 };
 
-// order_key in two instructions (an arithmetic shift and one three-input logic op): the same keys.
-__device__ __forceinline__ uint32_t order_key2(float f) {
-  const uint32_t b = __float_as_uint(f);
-  const uint32_t m = static_cast<uint32_t>(static_cast<int32_t>(b) >> 31);
-  return b ^ (m | 0x80000000u);
-}
-
 // __frcp_rn(d) for d in [2^-126, 2^126): the fast path of the correctly rounded reciprocal
 // (MUFU.RCP, one Newton step), without the range test and the call of its slow path. IEEE's
 // round-to-nearest reciprocal is unique, so the bits are __frcp_rn's; callers guarantee the range.
@@ -500,16 +493,7 @@ __device__ __forceinline__ void fast_route_token(const FwdParams& p, const FastT
           const uint32_t b1 = __shfl_xor_sync(tl.mask, g1, off), b2 = __shfl_xor_sync(tl.mask, g2, off);
           merge2(g1, g2, b1, b2);
         }
-        float gs;
-        if (g1 == 0u)
-          gs = -CUDART_INF_F;
-        else if (g2 == 0u)
-          gs = key_to_float(g1);
-        else {
-          gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
-          if (isnan(gs)) gs = -CUDART_INF_F;
-        }
-        const uint32_t gk = order_key2(gs);
+        const uint32_t gk = group_key(g1, g2);
         int rank = 0;
 #pragma unroll
         for (int gi = 0; gi < kMaxGroups; ++gi) {
@@ -554,18 +538,7 @@ __device__ __forceinline__ void fast_route_token(const FwdParams& p, const FastT
           }
         }
         uint32_t gk = 0;
-        if (lane < G) {
-          float gs;
-          if (g1 == 0u)
-            gs = -CUDART_INF_F;
-          else if (g2 == 0u)
-            gs = key_to_float(g1);
-          else {
-            gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
-            if (isnan(gs)) gs = -CUDART_INF_F;
-          }
-          gk = order_key(gs);
-        }
+        if (lane < G) gk = group_key(g1, g2);
         int rank = 0;
 #pragma unroll
         for (int gi = 0; gi < kMaxGroups; ++gi) {

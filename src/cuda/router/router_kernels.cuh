@@ -286,6 +286,28 @@ __device__ __forceinline__ void top3(uint32_t& c1, uint32_t& c2, uint32_t& c3, u
   c3 = max(c3, l2);
 }
 
+// order_key in two instructions (an arithmetic shift and one three-input logic op): the same keys.
+__device__ __forceinline__ uint32_t order_key2(float f) {
+  const uint32_t b = __float_as_uint(f);
+  const uint32_t m = static_cast<uint32_t>(static_cast<int32_t>(b) >> 31);
+  return b ^ (m | 0x80000000u);
+}
+
+// The group score key of a top-2 pair (the reference: the sum of the two best selection scores of
+// the group's eligible experts, -inf when it has none).
+__device__ __forceinline__ uint32_t group_key(uint32_t g1, uint32_t g2) {
+  float gs;
+  if (g1 == 0u)
+    gs = -CUDART_INF_F;
+  else if (g2 == 0u)
+    gs = key_to_float(g1);
+  else {
+    gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
+    if (isnan(gs)) gs = -CUDART_INF_F;
+  }
+  return order_key2(gs);
+}
+
 // Exact top-k over the keys (0 = not a candidate): K rounds of (max key, then lowest lane, then
 // lowest slot), the reference's stable order. Returns slot `lane`'s expert (-1 when none is left).
 template <int V>
@@ -625,16 +647,7 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
           }
           uint32_t gk = 0;
           if (lane < G) {
-            float gs;
-            if (g1 == 0u)
-              gs = -CUDART_INF_F;  // no eligible expert
-            else if (g2 == 0u)
-              gs = key_to_float(g1);  // a single one
-            else {
-              gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
-              if (isnan(gs)) gs = -CUDART_INF_F;  // +inf + -inf
-            }
-            gk = order_key(gs);  // > 0 for every non-NaN float
+            gk = group_key(g1, g2);  // > 0: the key of a non-NaN float
           }
           // Group g's place in the reference's stable sort: the groups with a higher score, and
           // those with an equal one and a lower index. The first group_topk places are kept.

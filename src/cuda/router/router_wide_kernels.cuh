@@ -181,21 +181,6 @@ __device__ __forceinline__ int wide_exact_topk(const uint32_t (&ek)[NV], int K, 
   return id;
 }
 
-// The group score key of a top-2 pair (the reference: the sum of the two best selection scores of
-// the group's eligible experts, -inf when it has none).
-__device__ __forceinline__ uint32_t group_key(uint32_t g1, uint32_t g2) {
-  float gs;
-  if (g1 == 0u)
-    gs = -CUDART_INF_F;
-  else if (g2 == 0u)
-    gs = key_to_float(g1);
-  else {
-    gs = __fadd_rn(key_to_float(g1), key_to_float(g2));
-    if (isnan(gs)) gs = -CUDART_INF_F;
-  }
-  return order_key2(gs);
-}
-
 // Group-limited selection (G > 1, per = E / G in {32, 64, 128}): clears the keys of the experts
 // outside the group_topk best groups (higher score first, ties to the lower group). Warp-collective;
 // each half-warp is one token.
