@@ -505,51 +505,7 @@ __device__ __forceinline__ void fast_route_token(const FwdParams& p, const FastT
 #pragma unroll
         for (int j = 0; j < V; ++j) ek[j] = kept ? ek[j] : 0u;
       } else if constexpr (TPW == 1) {
-        // The legacy general layout (see route_forward_kernel).
-        const int gf = s_lane_gf[lane], jb = s_lane_jb[lane];
-        const int g_first = (lane * per) / V, g_last = lane < G ? ((lane + 1) * per - 1) / V : -1;
-        uint32_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
-        if (!any_straddle) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) top2(a1, a2, ek[j]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const bool in_b = j >= jb;
-            top2(a1, a2, in_b ? 0u : ek[j]);
-            top2(b1, b2, in_b ? ek[j] : 0u);
-          }
-        }
-        uint32_t g1 = 0, g2 = 0;
-        for (int i = 0; i < ncover; ++i) {
-          const int src = min(g_first + i, 31);
-          const uint32_t sa1 = __shfl_sync(kFull, a1, src), sa2 = __shfl_sync(kFull, a2, src);
-          const int sgf = __shfl_sync(kFull, gf, src);
-          uint32_t sb1 = 0, sb2 = 0;
-          if (any_straddle) {
-            sb1 = __shfl_sync(kFull, b1, src);
-            sb2 = __shfl_sync(kFull, b2, src);
-          }
-          if (lane < G && g_first + i <= g_last) {
-            if (sgf == lane)
-              merge2(g1, g2, sa1, sa2);
-            else
-              merge2(g1, g2, sb1, sb2);
-          }
-        }
-        uint32_t gk = 0;
-        if (lane < G) gk = group_key(g1, g2);
-        int rank = 0;
-#pragma unroll
-        for (int gi = 0; gi < kMaxGroups; ++gi) {
-          if (gi >= G) break;
-          const uint32_t other = __shfl_sync(kFull, gk, gi);
-          rank += (other > gk || (other == gk && gi < lane)) ? 1 : 0;
-        }
-        const uint32_t kept = __ballot_sync(kFull, lane < G && rank < p.group_topk);
-        const bool ka = (kept >> gf) & 1u, kb = (kept >> (gf + 1)) & 1u;
-#pragma unroll
-        for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
+        legacy_group_mask<V>(ek, p, lane, s_lane_gf[lane], s_lane_jb[lane], any_straddle, ncover);
       }
     }
 

@@ -308,6 +308,64 @@ __device__ __forceinline__ uint32_t group_key(uint32_t g1, uint32_t g2) {
   return order_key2(gs);
 }
 
+// Group-limited selection in the legacy layout (one token per warp, lane l holding experts
+// [l V, l V + V)): lane l's elements j < jb belong to group gf, the others to gf + 1 (part b, only
+// where some lane straddles two groups); lane g merges group g's top-2 keys from the lanes that
+// hold its experts, in lane order, ranks the groups as the reference's stable sort does and the
+// keys of experts outside the group_topk best groups are cleared. Warp-collective.
+template <int V>
+__device__ __forceinline__ void legacy_group_mask(uint32_t (&ek)[V], const FwdParams& p, int lane, int gf, int jb,
+                                                  bool any_straddle, int ncover) {
+  const int G = p.G, per = p.per;
+  const int g_first = (lane * per) / V, g_last = lane < G ? ((lane + 1) * per - 1) / V : -1;
+  // Top-2 exact keys of each part of this lane (part b only where some lane straddles).
+  uint32_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
+  if (!any_straddle) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) top2(a1, a2, ek[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const bool in_b = j >= jb;
+      top2(a1, a2, in_b ? 0u : ek[j]);
+      top2(b1, b2, in_b ? ek[j] : 0u);
+    }
+  }
+  // Lane g merges group g's parts from lanes g_first..g_last, in lane order.
+  uint32_t g1 = 0, g2 = 0;
+  for (int i = 0; i < ncover; ++i) {
+    const int src = min(g_first + i, 31);
+    const uint32_t sa1 = __shfl_sync(kFull, a1, src), sa2 = __shfl_sync(kFull, a2, src);
+    const int sgf = __shfl_sync(kFull, gf, src);
+    uint32_t sb1 = 0, sb2 = 0;
+    if (any_straddle) {
+      sb1 = __shfl_sync(kFull, b1, src);
+      sb2 = __shfl_sync(kFull, b2, src);
+    }
+    if (lane < G && g_first + i <= g_last) {
+      // src holds experts of group `lane`: as its first part, or else as its second.
+      if (sgf == lane)
+        merge2(g1, g2, sa1, sa2);
+      else
+        merge2(g1, g2, sb1, sb2);
+    }
+  }
+  const uint32_t gk = lane < G ? group_key(g1, g2) : 0u;  // > 0: the key of a non-NaN float
+  // Group g's place in the reference's stable sort: the groups with a higher score, and
+  // those with an equal one and a lower index. The first group_topk places are kept.
+  int rank = 0;
+#pragma unroll
+  for (int gi = 0; gi < kMaxGroups; ++gi) {
+    if (gi >= G) break;
+    const uint32_t other = __shfl_sync(kFull, gk, gi);
+    rank += (other > gk || (other == gk && gi < lane)) ? 1 : 0;
+  }
+  const uint32_t kept = __ballot_sync(kFull, lane < G && rank < p.group_topk);  // bit g = group g
+  const bool ka = (kept >> gf) & 1u, kb = (kept >> (gf + 1)) & 1u;
+#pragma unroll
+  for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
+}
+
 // Exact top-k over the keys (0 = not a candidate): K rounds of (max key, then lowest lane, then
 // lowest slot), the reference's stable order. Returns slot `lane`'s expert (-1 when none is left).
 template <int V>
@@ -611,57 +669,7 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
         }
 
         if (grouped) {
-          const int gf = s_lane_gf[lane], jb = s_lane_jb[lane];
-          const int g_first = (lane * per) / V, g_last = lane < G ? ((lane + 1) * per - 1) / V : -1;
-          // Top-2 exact keys of each part of this lane (part b only where some lane straddles).
-          uint32_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
-          if (!any_straddle) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) top2(a1, a2, ek[j]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-              const bool in_b = j >= jb;
-              top2(a1, a2, in_b ? 0u : ek[j]);
-              top2(b1, b2, in_b ? ek[j] : 0u);
-            }
-          }
-          // Lane g merges group g's parts from lanes g_first..g_last, in lane order.
-          uint32_t g1 = 0, g2 = 0;
-          for (int i = 0; i < ncover; ++i) {
-            const int src = min(g_first + i, 31);
-            const uint32_t sa1 = __shfl_sync(kFull, a1, src), sa2 = __shfl_sync(kFull, a2, src);
-            const int sgf = __shfl_sync(kFull, gf, src);
-            uint32_t sb1 = 0, sb2 = 0;
-            if (any_straddle) {
-              sb1 = __shfl_sync(kFull, b1, src);
-              sb2 = __shfl_sync(kFull, b2, src);
-            }
-            if (lane < G && g_first + i <= g_last) {
-              // src holds experts of group `lane`: as its first part, or else as its second.
-              if (sgf == lane)
-                merge2(g1, g2, sa1, sa2);
-              else
-                merge2(g1, g2, sb1, sb2);
-            }
-          }
-          uint32_t gk = 0;
-          if (lane < G) {
-            gk = group_key(g1, g2);  // > 0: the key of a non-NaN float
-          }
-          // Group g's place in the reference's stable sort: the groups with a higher score, and
-          // those with an equal one and a lower index. The first group_topk places are kept.
-          int rank = 0;
-#pragma unroll
-          for (int g2 = 0; g2 < kMaxGroups; ++g2) {
-            if (g2 >= G) break;
-            const uint32_t other = __shfl_sync(kFull, gk, g2);
-            rank += (other > gk || (other == gk && g2 < lane)) ? 1 : 0;
-          }
-          const uint32_t kept = __ballot_sync(kFull, lane < G && rank < p.group_topk);  // bit g = group g
-          const bool ka = (kept >> gf) & 1u, kb = (kept >> (gf + 1)) & 1u;
-#pragma unroll
-          for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
+          legacy_group_mask<V>(ek, p, lane, s_lane_gf[lane], s_lane_jb[lane], any_straddle, ncover);
         }
 
         // Fast top-k on composite keys (see the file note).
