@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/routing_draw.h"
 #include "core/ep_state.h"
 #include "epx/comm.h"
 #include "epx/error.h"
@@ -60,25 +61,14 @@ inline EpInputs ep_inputs(const EpCase& c, int rank, int64_t cap) {
   const int T = c.tokens_of(rank), Le = c.E / c.ranks;
   EpInputs in;
   in.idx = Tensor::empty({T, c.K}, c.idx_dtype);
-  for (int t = 0; t < T; ++t) {
-    std::vector<char> used(c.E, 0);
-    for (int k = 0; k < c.K; ++k) {
-      int64_t e = -1;
-      if (k == 0 && c.hot >= 0) {
-        e = c.hot;
-      } else if (u(rng) >= c.mask_p) {
-        for (int tries = 0; tries < 64 && e < 0; ++tries) {
-          int cand;
-          if (c.only_rank >= 0) cand = c.only_rank * Le + static_cast<int>(u(rng) * Le);
-          else cand = c.zipf > 0 ? static_cast<int>(std::pow(u(rng), c.zipf) * c.E) : static_cast<int>(u(rng) * c.E);
-          cand = std::min(cand, c.E - 1);
-          if (!used[cand]) e = cand;
-        }
-      }
-      if (e >= 0) used[e] = 1;
-      store_from_double(in.idx.data(), c.idx_dtype, t * c.K + k, static_cast<double>(e));
-    }
+  RoutingDraw d{c.E, c.K, c.hot, c.mask_p, c.zipf};
+  if (c.only_rank >= 0) {
+    d.only_first = c.only_rank * Le;
+    d.only_count = Le;
   }
+  draw_routing(rng, u, T, d, [&](int t, int k, int64_t e) {
+    store_from_double(in.idx.data(), c.idx_dtype, t * c.K + k, static_cast<double>(e));
+  });
   in.w = Tensor::empty({T, c.K}, DType::kF32);
   for (int64_t i = 0; i < in.w.numel(); ++i) in.w.ptr<float>()[i] = static_cast<float>(0.05 + u(rng));
   auto rows = [&](int64_t r) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/device_memory.h"
+#include "common/routing_draw.h"
 #include "core/ep_state.h"
 #include "cuda/permute/permute.h"
 #include "epx/comm.h"
@@ -35,6 +36,8 @@ namespace {
 
 using testing::all_close;
 using testing::bit_equal;
+using testing::draw_routing;
+using testing::RoutingDraw;
 using testing::to_gpu;
 using testing::to_host;
 
@@ -77,23 +80,9 @@ Inputs make_inputs(const Case& c, int64_t cap) {
   std::normal_distribution<float> n(0, 1);
   Inputs in;
   in.idx = Tensor::empty({c.T, c.K}, c.idx_dtype);
-  for (int t = 0; t < c.T; ++t) {
-    std::vector<char> used(c.E, 0);
-    for (int k = 0; k < c.K; ++k) {
-      int64_t e = -1;
-      if (k == 0 && c.hot >= 0) {
-        e = c.hot;
-      } else if (u(rng) >= c.mask_p) {
-        for (int tries = 0; tries < 64 && e < 0; ++tries) {
-          int cand = c.zipf > 0 ? static_cast<int>(std::pow(u(rng), c.zipf) * c.E) : static_cast<int>(u(rng) * c.E);
-          cand = std::min(cand, c.E - 1);
-          if (!used[cand]) e = cand;
-        }
-      }
-      if (e >= 0) used[e] = 1;
-      store_from_double(in.idx.data(), c.idx_dtype, t * c.K + k, static_cast<double>(e));
-    }
-  }
+  draw_routing(rng, u, c.T, RoutingDraw{c.E, c.K, c.hot, c.mask_p, c.zipf}, [&](int t, int k, int64_t e) {
+    store_from_double(in.idx.data(), c.idx_dtype, t * c.K + k, static_cast<double>(e));
+  });
   in.w = Tensor::empty({c.T, c.K}, DType::kF32);
   for (int64_t i = 0; i < in.w.numel(); ++i) in.w.ptr<float>()[i] = static_cast<float>(0.05 + u(rng));
   auto rows = [&](int64_t r) {

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/routing_draw.h"
 #include "core/ep_state.h"
 #include "cuda/layout/layout.h"
 #include "epx/comm.h"
@@ -31,6 +32,8 @@
 namespace epx {
 namespace {
 
+using testing::draw_routing;
+using testing::RoutingDraw;
 using testing::to_gpu;
 using testing::to_host;
 
@@ -71,26 +74,12 @@ Inputs make_inputs(const LCase& c) {
   Inputs in;
   in.ids.assign(static_cast<size_t>(c.T) * c.K, -1);
   in.w.assign(in.ids.size(), 0.0f);
-  for (int t = 0; t < c.T; ++t) {
-    std::vector<char> used(c.E, 0);
-    for (int k = 0; k < c.K; ++k) {
-      int64_t e = -1;
-      if (k == 0 && c.hot >= 0) {
-        e = c.hot;
-      } else if (u(rng) >= c.mask_p) {
-        for (int tries = 0; tries < 64 && e < 0; ++tries) {
-          int cand = c.zipf > 0 ? static_cast<int>(std::pow(u(rng), c.zipf) * c.E) : static_cast<int>(u(rng) * c.E);
-          cand = std::min(cand, c.E - 1);
-          if (!used[cand]) e = cand;
-        }
-      }
-      if (e >= 0) used[e] = 1;
-      in.ids[static_cast<size_t>(t) * c.K + k] = e;
-      // Weights with ties (a few distinct values) and the odd NaN, for drop by probability.
-      const int r = static_cast<int>(u(rng) * 40);
-      in.w[static_cast<size_t>(t) * c.K + k] = r == 0 ? NAN : 0.125f * static_cast<float>(r % 9);
-    }
-  }
+  draw_routing(rng, u, c.T, RoutingDraw{c.E, c.K, c.hot, c.mask_p, c.zipf}, [&](int t, int k, int64_t e) {
+    in.ids[static_cast<size_t>(t) * c.K + k] = e;
+    // Weights with ties (a few distinct values) and the odd NaN, for drop by probability.
+    const int r = static_cast<int>(u(rng) * 40);
+    in.w[static_cast<size_t>(t) * c.K + k] = r == 0 ? NAN : 0.125f * static_cast<float>(r % 9);
+  });
   for (const auto& b : c.bad) in.ids[b.first] = b.second;
   return in;
 }
