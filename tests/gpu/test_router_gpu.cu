@@ -660,7 +660,8 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
     for (int64_t T : {int64_t{16384}, int64_t{517}, int64_t{33}, int64_t{1}}) {
       RouterConfig c = k.c;
       if (c.aux_loss == AuxLossType::kSequence && T % c.seq_len != 0) c.seq_len = static_cast<int>(T);
-      const std::vector<double> bias = c.use_expert_bias ? random_bias(c.num_experts, seed + 3, 0.05) : std::vector<double>();
+      const std::vector<double> bias =
+          c.use_expert_bias ? random_bias(c.num_experts, seed + 3, 0.05) : std::vector<double>();
       const Tensor b = c.use_expert_bias ? host_tensor({c.num_experts}, DType::kF32, bias) : Tensor();
       const Tensor logits = random_logits(c, T, k.dt, bias, seed++, 2.0, T == 517 ? 0.001 : 0.0);
       const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
@@ -680,8 +681,9 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
 TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
   EPX_REQUIRE_GPU();
   using SF = ScoreFunction;
-  for (const RouterConfig& c : {make_config(256, 8, SF::kSoftmax), make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f),
-                                make_config(512, 16, SF::kSoftmaxAfterTopk, 1, 1, false, true)}) {
+  for (const RouterConfig& c :
+       {make_config(256, 8, SF::kSoftmax), make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f),
+        make_config(512, 16, SF::kSoftmaxAfterTopk, 1, 1, false, true)}) {
     const int E = c.num_experts, V = E / 32;
     const int64_t T = 3000;
     const std::vector<double> bias = c.use_expert_bias ? random_bias(E, 17, 0.05) : std::vector<double>();
@@ -697,7 +699,8 @@ TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
         for (int e = 0; e < E; ++e) row[e] = round_to_dtype(normal(rng), DType::kF32);
         if (kind == 1) {  // the lane (t / 4) % 32 holds the row's V largest logits, well apart
           const int lane = static_cast<int>((t / 4) % 32);
-          for (int i = 0; i < V; ++i) row[lane * V + i] = round_to_dtype(6.0 + 0.37 * i + 0.01 * normal(rng), DType::kF32);
+          for (int i = 0; i < V; ++i)
+            row[lane * V + i] = round_to_dtype(6.0 + 0.37 * i + 0.01 * normal(rng), DType::kF32);
         } else if (kind == 2) {
           for (int e = 0; e < E; ++e) row[e] = small(rng);
         } else if (kind == 3) {

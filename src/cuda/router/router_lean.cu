@@ -1,7 +1,5 @@
 #include "cuda/router/router_lean.h"
 
-#include <mutex>
-
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_lean_kernels.cuh"
 
@@ -14,10 +12,11 @@ template <int V, int SF, int D, bool kBias, bool kGroups>
 void launch_one(int grid, cudaStream_t s, const rk::FwdParams& p) {
   const auto kernel = rk::route_forward_lean_kernel<V, SF, D, kBias, kGroups>;
   constexpr int smem = rk::lean_smem_bytes<V>();
-  // The ring of staged rows with the static arrays passes 48 KB at E = 512: opt in once per
-  // instantiation (a function attribute, not a stream operation: fine under graph capture).
-  static std::once_flag once;
-  std::call_once(once, [&] { EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); });
+  // At E = 512 the ring of staged rows (32 KB) and the static arrays (~20 KB) pass the default 48 KB:
+  // opt in on the current device at every launch, as the layout kernel does (a function attribute,
+  // per device, not a stream operation: fine under graph capture). E <= 256 stays under it.
+  if constexpr (V >= 16)
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, rk::kThreads, smem, s>>>(p);
   EPX_CHECK_LAUNCH("route_forward_lean_kernel");
 }
