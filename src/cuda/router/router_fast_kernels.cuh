@@ -574,7 +574,7 @@ template <int V, int SF, int TPW>
 __device__ __forceinline__ FastTokenSetup<TPW> fast_token_setup(const FwdParams& p, int lane, int warp,
                                                                 const float* s_bias, int* s_lane_gf, int* s_lane_jb) {
   FastTokenSetup<TPW> ts{TokenLanes<TPW>(lane)};
-  const int E = p.E, G = p.G, per = p.per;
+  const int G = p.G, per = p.per;
   ts.lane = lane;
   ts.e0 = ts.tl.hl * V;
   ts.want_prob = p.prob_sum != nullptr;
@@ -589,21 +589,8 @@ __device__ __forceinline__ FastTokenSetup<TPW> fast_token_setup(const FwdParams&
   ts.any_straddle = false;
   ts.ncover = 0;
   if constexpr (TPW == 1) {
-    if (ts.grouped && !ts.aligned) {
-      const int e0 = ts.e0;
-      int gf = kMaxGroups + 1, jb = V;
-      if (e0 < E) {
-        gf = e0 / per;
-        jb = (gf + 1) * per - e0;
-      }
-      if (warp == 0) {
-        s_lane_gf[lane] = gf;
-        s_lane_jb[lane] = jb;
-      }
-      ts.any_straddle = __any_sync(kFull, e0 < E && jb < V && e0 + jb < E);
-      const int cover = lane < G ? ((lane + 1) * per - 1) / V - (lane * per) / V + 1 : 0;
-      ts.ncover = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cover)));
-    }
+    if (ts.grouped && !ts.aligned)
+      legacy_group_setup<V>(p, lane, warp, s_lane_gf, s_lane_jb, ts.any_straddle, ts.ncover);
   }
   ts.my_group = ts.grouped ? ts.e0 / per : 0;  // aligned layout: this lane's group (>= G: no experts)
   return ts;

@@ -308,6 +308,28 @@ __device__ __forceinline__ uint32_t group_key(uint32_t g1, uint32_t g2) {
   return order_key2(gs);
 }
 
+// The legacy layout's group map, once per kernel (groups G > 1): lane l's elements j < jb belong to
+// group gf, the others to gf + 1 (warp 0 writes them to s_lane_gf / s_lane_jb; the block synchronises
+// before they are read); a lane without experts gets a group whose kept bit is always 0. any_straddle:
+// some lane holds two groups; ncover: the most lanes one group spans. Warp-collective.
+template <int V>
+__device__ __forceinline__ void legacy_group_setup(const FwdParams& p, int lane, int warp, int* s_lane_gf,
+                                                   int* s_lane_jb, bool& any_straddle, int& ncover) {
+  const int E = p.E, G = p.G, per = p.per, e0 = lane * V;
+  int gf = kMaxGroups + 1, jb = V;
+  if (e0 < E) {
+    gf = e0 / per;
+    jb = (gf + 1) * per - e0;
+  }
+  if (warp == 0) {
+    s_lane_gf[lane] = gf;
+    s_lane_jb[lane] = jb;
+  }
+  any_straddle = __any_sync(kFull, e0 < E && jb < V && e0 + jb < E);
+  const int cover = lane < G ? ((lane + 1) * per - 1) / V - (lane * per) / V + 1 : 0;
+  ncover = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cover)));
+}
+
 // Group-limited selection in the legacy layout (one token per warp, lane l holding experts
 // [l V, l V + V)): lane l's elements j < jb belong to group gf, the others to gf + 1 (part b, only
 // where some lane straddles two groups); lane g merges group g's top-2 keys from the lanes that
@@ -519,20 +541,7 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
   const bool grouped = G > 1;
   bool any_straddle = false;
   int ncover = 0;
-  if (grouped) {
-    int gf = kMaxGroups + 1, jb = V;
-    if (e0 < E) {
-      gf = e0 / per;
-      jb = (gf + 1) * per - e0;
-    }
-    if (warp == 0) {
-      s_lane_gf[lane] = gf;
-      s_lane_jb[lane] = jb;
-    }
-    any_straddle = __any_sync(kFull, e0 < E && jb < V && e0 + jb < E);
-    const int cover = lane < G ? ((lane + 1) * per - 1) / V - (lane * per) / V + 1 : 0;
-    ncover = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cover)));
-  }
+  if (grouped) legacy_group_setup<V>(p, lane, warp, s_lane_gf, s_lane_jb, any_straddle, ncover);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
