@@ -13,7 +13,8 @@
 //    key otherwise, then the low byte (9 bits for E = 512) replaced by 255 - e, the expert's rank,
 //    with one prmt. A larger key is a higher value, then a lower expert; 0 means no candidate;
 //  - top-k: each lane keeps its D best keys (D = 3 for K <= 8, else 4; 2 D - 1 min/max per element),
-//    K + 1 rounds take the warp's max with one redux each; lane r keeps pick r;
+//    a fixed 9 (D = 3) or 17 rounds take the warp's max with one redux each, at least the K + 1 the
+//    top K and its certainty need; lane 0 files the picks in shared memory, lane r reads pick r;
 //  - groups (E / G a multiple of V with a power-of-two lanes per group): the lane's top-2 selection
 //    values with fminf/fmaxf, an xor butterfly over the group's lanes, the group score as their sum,
 //    and group_topk + 1 redux rounds over (score key, group) composites.
@@ -23,8 +24,9 @@
 // dropped bits: an exact tie or a near one), two group scores on either side of the kept/dropped
 // boundary that agree on the truncated key, or a lane whose D cached keys were all picked while it
 // held more candidates. Which path a row takes depends on the row alone, so the outputs stay
-// deterministic; the fallback adds its statistics to the warp's shared-memory row and the fast
-// path's registers join them at the end of the chunk, so no token is counted twice.
+// deterministic. Both paths add a routed token's probabilities to the warp's shared-memory row of
+// the chunk, in token order within each 64-token window (the fallback's after the window's fast
+// ones), and its lse^2 and count once, so no token is counted twice.
 // Rows are staged through a per-warp ring of lean_stages<V>() rows in shared memory (cp.async, the
 // first three in flight at once), so no registers hold a prefetched row and the weights re-read
 // their logits from shared memory.
@@ -105,12 +107,14 @@ constexpr int lean_smem_bytes() {
 }
 
 // The fallback: the whole token t through the fast kernels' exact code (one token per warp), its
-// statistics added to this warp's shared-memory row red (E floats) and to *wlse / *wcnt. Out of line
-// and called after the fast loop, so that neither its code nor its registers weigh on the fast path.
+// statistics added to this warp's shared-memory row red (E floats) and to *wlse / *wcnt. Called after
+// each window of the fast loop, not inside it, so that the registers live across the loop are not
+// the ones this code needs (called from inside, or out of line, it spilled the loop at 64 registers).
+// Its setup is rebuilt per call: the rows it serves are rare, registers are not.
 template <int V, int SF>
 __device__ __forceinline__ void lean_exact_token(const FwdParams& p, int lane, int warp, const float* s_bias,
-                                              int* s_lane_gf, int* s_lane_jb, int64_t t, float* red, float* wlse,
-                                              unsigned* wcnt) {
+                                                 int* s_lane_gf, int* s_lane_jb, int64_t t, float* red, float* wlse,
+                                                 unsigned* wcnt) {
   const FastTokenSetup<1> ts = fast_token_setup<V, SF, 1>(p, lane, warp, s_bias, s_lane_gf, s_lane_jb);
   const float* row = static_cast<const float*>(p.logits) + t * p.E;
   RowRaw<V, float> raw;
@@ -258,12 +262,7 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
           }
           S = su[0] + su[1];
           SS = ss[0] + ss[1];
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) {
-            const float a = __shfl_xor_sync(kFull, S, o), b = __shfl_xor_sync(kFull, SS, o);
-            S += a;
-            SS += b;
-          }
+          token_sum2(TokenLanes<1>(lane), S, 0.0f, SS, 0.0f);  // one butterfly for both sums
           fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
         } else {
           if (need_exp) {
@@ -355,7 +354,6 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
           // Pick K only tells whether pick K - 1 is certain; picks past it are not used. Lane 0 files
           // the picks, lane r then reads pick r (and r + 1).
           uint32_t* picks = &s_picks[warp][0];
-          uint32_t last = 0;
 #pragma unroll
           for (int r = 0; r < kRounds; ++r) {
             const uint32_t m = __reduce_max_sync(kFull, cache[0]);
@@ -369,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
           __syncwarp();
           const uint32_t slot = lane < kRounds ? picks[lane] : 0u;
           const uint32_t after = lane + 1 < kRounds ? picks[lane + 1] : 0u;
-          last = picks[K];
+          const uint32_t last = picks[K];
           bool doubt = lane < K && slot != 0u && (slot >> IBK) == (after >> IBK);
           // A lane that gave away its D keys had its next one left out of the later rounds: harmless
           // unless that key beats the last pick. Rare (some lane holds D of the top K + 1: ~5% of
