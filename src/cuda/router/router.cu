@@ -186,6 +186,20 @@ int score_kind(ScoreFunction f) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// What the choice of a route_forward kernel depends on: the logits and the expert / group shape.
+rk::FwdParams shape_params(const RouterConfig& c, const TensorRef& logits) {
+  rk::FwdParams p{};
+  p.logits = logits.data();
+  p.E = c.num_experts;
+  p.K = c.topk;
+  p.G = c.num_groups;
+  p.group_topk = c.num_groups > 1 ? c.group_topk : 0;
+  p.per = c.num_experts / c.num_groups;
+  const int elem = static_cast<int>(dtype_size(logits.dtype()));
+  p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(p.E) * elem) % 16 == 0;
+  return p;
+}
+
 template <int V, class LT, int TPW>
 void launch_fast(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (sf) {
@@ -288,6 +302,10 @@ void set_router_kernel(RouterKernel k) { g_router_kernel.store(static_cast<int>(
 
 RouterKernel router_kernel_in_use() { return resolve_router_kernel(); }
 
+bool lean_router_serves(const RouterConfig& c, const TensorRef& logits) {
+  return lean_router_supports(shape_params(c, logits), logits.dtype() == DType::kBF16);
+}
+
 void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorRef& expert_bias,
                    const TensorRef& topk_idx, const TensorRef& topk_weights, const RouterStats& stats,
                    Stream stream) {
@@ -298,7 +316,7 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   DeviceGuard guard(device);
   const cudaStream_t s = to_cuda(stream);
   const int64_t T = logits.size(0);
-  const int E = c.num_experts, K = c.topk;
+  const int E = c.num_experts;
   float* prob = stats.prob_sum.defined() ? stats.prob_sum.ptr<float>() : nullptr;
   float* scal = stats.scalars.defined() ? stats.scalars.ptr<float>() : nullptr;
   if (T == 0) {  // the stats are written as zeros (an empty prob_sum in sequence mode)
@@ -309,31 +327,24 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   }
   const Scratch& sc = scratch_for(device, s);
 
-  rk::FwdParams p{};
-  p.logits = logits.data();
+  rk::FwdParams p = shape_params(c, logits);
   p.bias = expert_bias.defined() ? expert_bias.ptr<float>() : nullptr;
   p.topk_idx = topk_idx.data();
   p.topk_w = topk_weights.ptr<float>();
   p.prob_sum = prob;
   p.scalars = scal;
   p.T = T;
-  p.E = E;
-  p.K = K;
-  p.G = c.num_groups;
-  p.group_topk = c.num_groups > 1 ? c.group_topk : 0;
-  p.per = E / c.num_groups;
   p.idx64 = topk_idx.dtype() == DType::kI64;
   p.normalize = c.normalize_weights;
   p.scale = c.routed_scaling_factor;
-  const int elem = static_cast<int>(dtype_size(logits.dtype()));
-  p.vec_ok = aligned16(logits.data()) && (static_cast<int64_t>(E) * elem) % 16 == 0;
   // The wide and lean kernels run one chunk per block (2 / 3 blocks per SM at E = 256); the others
   // up to kMaxChunks blocks. Lean falls back to wide, then to the fast kernels, where its shape is
   // not served.
   const bool bf16 = logits.dtype() == DType::kBF16;
   const RouterKernel want = resolve_router_kernel();
   const bool lean = want == RouterKernel::kLean && lean_router_supports(p, bf16);
-  const bool wide = !lean && (want == RouterKernel::kWide || want == RouterKernel::kLean) && wide_router_supports(p, bf16);
+  const bool wide =
+      !lean && (want == RouterKernel::kWide || want == RouterKernel::kLean) && wide_router_supports(p, bf16);
   const int64_t max_chunks = lean   ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
                              : wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks())
                                     : rk::kMaxChunks;

@@ -44,6 +44,10 @@ constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice
 enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2, kWide = 3, kLean = 4 };
 void set_router_kernel(RouterKernel k);
 RouterKernel router_kernel_in_use();
+/// Whether "lean" serves these logits and this config (else route_forward runs wide or fast1 in its
+/// place): fp32, E in {128, 256, 512}, K <= 16, 16-byte aligned rows, groups a power-of-two number of
+/// 32nds of E. Only the logits' dtype, shape and address are read.
+bool lean_router_serves(const RouterConfig& config, const TensorRef& logits);
 const char* router_kernel_name(RouterKernel k);
 
 /// logits fp32 or bf16 [T, E]; everything else as in epx::route_forward.
