@@ -10,11 +10,11 @@
 // "us" times a CUDA graph of one call per rotated input (launch gaps removed), "us_stream" the
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
-// route_forward is timed with each kernel ("kernel": "wide" = the default, two tokens per warp with
-// fast exponentials, where the shape allows, else fast1; "lean" = one token per warp, no max
-// subtraction, fp32 logits with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with
-// one token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the earlier
-// kernel, EPX_ROUTER_KERNEL=legacy), so one GPU run can choose on evidence.
+// route_forward is timed with each kernel, so one GPU run can choose on evidence (the default,
+// "auto", picks lean or wide from these lines): "wide" = two tokens per warp with fast exponentials,
+// where the shape allows, else fast1; "lean" = one token per warp, no max subtraction, fp32 logits
+// with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with one token per warp;
+// "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel.
 //
 // Prediction for "lean" (2026-11-24, before any GPU run; from SASS of the token loop, fast path):
 // ~283 warp instructions per token at softmax top-8 with statistics (wide: 428 under ncu) and
@@ -272,7 +272,7 @@ int main() {
       k.target_us = 0;
       fwd.push_back(k);
     }
-    for (int E : {64, 512}) {
+    for (int E : {64, 128, 512}) {
       Case k = softmax;
       k.E = E;
       k.target_us = 0;
@@ -290,6 +290,13 @@ int main() {
       k.name = "softmax_after_top8";
       k.target_us = 0;
       fwd.push_back(k);
+      for (const Case& base : {softmax, ds}) {  // the per-rank batch of the layer's benchmark
+        Case m = base;
+        m.T = 4096;
+        m.target_us = 0;
+        m.name += "_T4096";
+        fwd.push_back(m);
+      }
       Case dec = ds;
       dec.T = 128;
       dec.name = "deepseek_v3_decode";

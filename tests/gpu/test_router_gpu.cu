@@ -154,6 +154,7 @@ bool well_separated(const RouterConfig& c, const std::vector<double>& l, const s
   std::sort(order.begin(), order.end(), [&](int a, int b) { return key[a] > key[b]; });
   for (size_t i = 0; i + 1 < order.size(); ++i) {
     const int a = order[i], b = order[i + 1];
+    if (std::isinf(key[a]) || std::isinf(key[b])) continue;  // an infinity is far from any finite key
     if (key[a] != key[b] && key[a] - key[b] <= tol(score[a], score[b], key[a], key[b])) return false;
   }
   if (c.num_groups > 1) {
@@ -373,7 +374,7 @@ TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
         expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
                              what + " kernel " + cuda::router_kernel_name(kern));
     }
-    cuda::set_router_kernel(cuda::RouterKernel::kWide);
+    cuda::set_router_kernel(cuda::RouterKernel::kAuto);
   }
 }
 
@@ -563,7 +564,7 @@ TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
             << w << ": scalars[0] got " << fs[0] << ", legacy " << ls[0];
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // The statistics of the fast kernels (wide, two and one tokens per warp) at the benchmark shape, run
@@ -599,7 +600,7 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
       expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
                            "lean run " + std::to_string(run + 1));
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // The wide kernel (the default where it applies) and the one-token-per-warp kernel against the
@@ -629,7 +630,7 @@ TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
                              describe(c, k.dt, k.idx_dt, T) + " kernel " + cuda::router_kernel_name(kern));
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // The lean kernel, forced, against the reference on its shapes: fp32 logits, E in {128, 256, 512},
@@ -670,7 +671,7 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
         expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
                              describe(c, k.dt, k.idx_dt, T) + " kernel lean");
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // One batch in which the lean kernel's two paths alternate token by token, so that a chunk's
@@ -721,7 +722,7 @@ TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
       expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
                            what + " run " + std::to_string(run + 2));
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kWide);
+  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // Without statistics tensors (no loss configured) only the routing is written.

@@ -30,18 +30,20 @@ constexpr int kRouterMaxGroups = 16;
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
-/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "wide" (default: two tokens per
-/// warp with fast exponentials, where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned
-/// rows, groups of 32/64/128 experts -- else "fast1"), "lean" (one token per warp with fast
-/// exponentials and no max subtraction, fp32 logits, E in {128, 256, 512}, groups a power-of-two
-/// number of 32nds of E; rows it cannot vouch for go through fast1's code; else as "wide"), "fast1"
-/// (the fast kernel, one token per warp), "fast" (two tokens per warp where the shape allows, else
-/// one) or "legacy" (the earlier kernel), kept so that a GPU run and the tests can compare them.
-/// fast, fast1 and legacy give the same topk_idx and topk_weights bits; wide and lean agree with them
-/// (and the reference) on the selection of well-separated scores and on weights within a few 1e-6
-/// relative (router_wide_kernels.cuh, router_lean_kernels.cuh). prob_sum and scalars[0] differ
-/// between kernels in rounding; each is deterministic run to run.
-enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2, kWide = 3, kLean = 4 };
+/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: "lean" for
+/// softmax and sigmoid scores over at least 8192 rows where lean serves the shape, else "wide";
+/// chosen on the H200 timings in bench/NOTES.md), "wide" (two tokens per warp with fast exponentials,
+/// where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned rows, groups of 32/64/128
+/// experts -- else "fast1"), "lean" (one token per warp with fast exponentials and no max
+/// subtraction, fp32 logits, E in {128, 256, 512}, groups a power-of-two number of 32nds of E; rows
+/// it cannot vouch for go through fast1's code; else as "wide"), "fast1" (the fast kernel, one token
+/// per warp), "fast" (two tokens per warp where the shape allows, else one) or "legacy" (the earlier
+/// kernel), kept so that a GPU run and the tests can compare them. fast, fast1 and legacy give the
+/// same topk_idx and topk_weights bits; wide and lean agree with them (and the reference) on the
+/// selection of well-separated scores and on weights within a few 1e-6 relative
+/// (router_wide_kernels.cuh, router_lean_kernels.cuh). prob_sum and scalars[0] differ between kernels
+/// in rounding; each is deterministic run to run.
+enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2, kWide = 3, kLean = 4, kAuto = 5 };
 void set_router_kernel(RouterKernel k);
 RouterKernel router_kernel_in_use();
 /// Whether "lean" serves these logits and this config (else route_forward runs wide or fast1 in its
