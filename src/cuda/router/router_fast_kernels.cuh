@@ -195,28 +195,47 @@ __device__ __forceinline__ void load_bias(float (&bias)[V], const float* s_bias,
   }
 }
 
-// The last block: lse^2 and the token count over every block's leaf, in a fixed order.
-__device__ __forceinline__ void finish_scalars(const FwdParams& p, float* s_f, unsigned long long* s_n) {
-  const int tid = threadIdx.x;
-  float v = 0.0f;
-  unsigned long long n = 0;
-  for (unsigned b = tid; b < gridDim.x; b += kThreads) {
-    v += __ldcg(p.leaf_lse + b);
-    n += __ldcg(p.leaf_cnt + b);
+// The last block: lse^2 and the token count over every block's leaf, in a fixed order. Split in
+// two so that the merged tail can have the leaves' loads in flight with prob_sum's (one L2 round
+// trip on the kernel's critical tail instead of two): this thread's leaves b = tid + kThreads i ...
+struct ScalarLeaves {
+  float lse = 0.0f;
+  unsigned long long cnt = 0;
+};
+__device__ __forceinline__ ScalarLeaves load_scalar_leaves(const FwdParams& p) {
+  static_assert(kMaxChunks <= 2 * kThreads, "two leaves per thread");
+  const unsigned b0 = threadIdx.x, b1 = threadIdx.x + kThreads;
+  const float l0 = b0 < gridDim.x ? __ldcg(p.leaf_lse + b0) : 0.0f;
+  const float l1 = b1 < gridDim.x ? __ldcg(p.leaf_lse + b1) : 0.0f;
+  const unsigned long long c0 = b0 < gridDim.x ? __ldcg(p.leaf_cnt + b0) : 0ull;
+  const unsigned long long c1 = b1 < gridDim.x ? __ldcg(p.leaf_cnt + b1) : 0ull;
+  return {l0 + l1, c0 + c1};
+}
+// ... and their sum over the block: a butterfly per warp, then the warps in order (s_f, s_n: one
+// entry per warp). Block-uniform.
+__device__ __forceinline__ void finish_scalars(const FwdParams& p, ScalarLeaves v, float* s_f,
+                                               unsigned long long* s_n) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v.lse += __shfl_xor_sync(kFull, v.lse, off);
+    v.cnt += __shfl_xor_sync(kFull, v.cnt, off);
   }
-  s_f[tid] = v;
-  s_n[tid] = n;
+  if (lane == 0) {
+    s_f[warp] = v.lse;
+    s_n[warp] = v.cnt;
+  }
   __syncthreads();
-  for (int off = kThreads / 2; off > 0; off >>= 1) {
-    if (tid < off) {
-      s_f[tid] += s_f[tid + off];
-      s_n[tid] += s_n[tid + off];
+  if (threadIdx.x == 0) {
+    float f = 0.0f;
+    unsigned long long n = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      f += s_f[w];
+      n += s_n[w];
     }
-    __syncthreads();
-  }
-  if (tid == 0) {
-    p.scalars[0] = s_f[0];
-    p.scalars[1] = static_cast<float>(s_n[0]);
+    p.scalars[0] = f;
+    p.scalars[1] = static_cast<float>(n);
   }
 }
 
@@ -274,6 +293,7 @@ __device__ __forceinline__ void commit_chunk_stats(const FwdParams& p, int64_t s
   __syncthreads();
   if (!flag) return;
   __threadfence();
+  const ScalarLeaves leaves = merged ? load_scalar_leaves(p) : ScalarLeaves{};
   unsigned long long* first = p.acc + s * rep * kMaxExperts;
   for (int e = tid; e < E; e += kThreads) {
     unsigned long long v[kAccReplicas];  // every replica's load in flight at once
@@ -287,11 +307,11 @@ __device__ __forceinline__ void commit_chunk_stats(const FwdParams& p, int64_t s
     }
     p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
   }
-  if (merged) finish_scalars(p, const_cast<float*>(red), s_n);  // block-uniform (flag); red holds >= kThreads floats
+  if (merged) finish_scalars(p, leaves, const_cast<float*>(red), s_n);  // block-uniform (flag); red: >= kWarps floats
 }
 
 // After the last chunk of a block, when the scalars were not merged into prob_sum's ticket: the
-// block's leaves, and the last block to arrive sums every block's (red: >= kThreads floats of scratch).
+// block's leaves, and the last block to arrive sums every block's (red: >= kWarps floats of scratch).
 __device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* red, unsigned long long* s_n,
                                                      float blk_lse, unsigned long long blk_cnt, int& flag, bool wanted) {
   if (!wanted) return;
@@ -307,7 +327,7 @@ __device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* 
   __syncthreads();
   if (flag) {
     __threadfence();
-    finish_scalars(p, red, s_n);
+    finish_scalars(p, load_scalar_leaves(p), red, s_n);
   }
 }
 
