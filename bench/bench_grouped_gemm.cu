@@ -25,6 +25,7 @@
 #include "epx/quant.h"
 #ifdef EPX_GEMM_TRIALS
 #include "cuda/gemm/cutlass/trials/forward_trials.h"
+#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
 #include "cuda/gemm/cutlass/trials/wgrad_trials.h"
 #endif
 #include "moe/elementwise.h"
@@ -45,6 +46,54 @@ struct LayoutD {
   Tensor offsets, rows;
   int64_t total = 0;
 };
+
+// Sets an environment variable for its lifetime (null: leaves it alone), then restores the caller's value.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (value == nullptr) return;
+    const char* before = std::getenv(name);
+    had_ = before != nullptr;
+    if (had_) saved_ = before;
+    setenv(name, value, 1);
+    set_ = true;
+  }
+  ~ScopedEnv() {
+    if (!set_) return;
+    if (had_) setenv(name_, saved_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string saved_;
+  bool had_ = false, set_ = false;
+};
+
+// The tile orders of the persistent scheduler (EPX_GEMM_RASTER, EPX_GEMM_SWIZZLE) a trials build times
+// the kernels under; null: each kernel's own.
+struct TileOrderSetting {
+  const char* raster;
+  const char* swizzle;
+};
+#ifdef EPX_GEMM_TRIALS
+const std::vector<TileOrderSetting> kTileOrders = {{"m", "1"}, {"n", "1"}, {"m", "2"},
+                                                   {"n", "2"}, {"m", "8"}, {"n", "8"}};
+#else
+const std::vector<TileOrderSetting> kTileOrders = {{nullptr, nullptr}};
+#endif
+
+struct ScopedTileOrder {
+  explicit ScopedTileOrder(const TileOrderSetting& o) : raster("EPX_GEMM_RASTER", o.raster), swizzle("EPX_GEMM_SWIZZLE", o.swizzle) {}
+  ScopedEnv raster, swizzle;
+};
+
+JsonLine& add_tile_order(JsonLine& j, const TileOrderSetting& o) {
+  if (o.raster) j.add("raster", o.raster).add("swizzle", std::atoi(o.swizzle));
+  return j;
+}
 
 LayoutD layout(const std::vector<int>& sizes) {
   LayoutD L;
@@ -89,31 +138,37 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   const double tw = bench::time_us([&](int) { quantize_grouped_weights_fp8(w, w_q, w_s); }, 3, 1, 1);
   const double tq = bench::time_us([&](int) { quantize(QuantRecipe::kFp8Block1x128, x, x_q, x_s); }, 10, 5, 2);
-  // Both schedules of the FP8 kernel (EPX_FP8_GEMM_KERNEL is read at every call); the caller's
-  // setting is restored.
-  const char* before = std::getenv("EPX_FP8_GEMM_KERNEL");
-  const std::string saved = before ? before : "";
-  for (const char* schedule : {"cooperative", "pingpong"}) {
-    setenv("EPX_FP8_GEMM_KERNEL", schedule, 1);
-    double t = 0;
-    try {
-      t = bench::time_us([&](int) { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y); }, 10, 5, 2);
-    } catch (const Error& e) {  // one schedule failing must not hide the other lines
-      JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("schedule", schedule)
-          .add("case", name).add("error", e.what()).print();
-      continue;
+  // Both schedules of the FP8 kernel and, in a trials build, the candidates (EPX_FP8_GEMM_KERNEL is
+  // read at every call).
+  std::vector<const char*> schedules = {"cooperative", "pingpong"};
+#ifdef EPX_GEMM_TRIALS
+  int trial_count = 0;
+  const cuda::Fp8ForwardTrial* trials = cuda::fp8_forward_trials(trial_count);
+  for (int i = 0; i < trial_count; ++i) schedules.push_back(trials[i].name);
+#endif
+  for (const TileOrderSetting& order : kTileOrders) {
+    const ScopedTileOrder scoped_order(order);
+    for (const char* schedule : schedules) {
+      const ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+      double t = 0;
+      try {
+        t = bench::time_us([&](int) { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y); }, 10, 5, 2);
+      } catch (const Error& e) {  // one schedule failing must not hide the other lines
+        JsonLine j;
+        j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("schedule", schedule).add("case", name);
+        add_tile_order(j, order).add("error", e.what()).print();
+        continue;
+      }
+      JsonLine j;
+      j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
+          .add("schedule", schedule).add("case", name).add("groups", G).add("rows", static_cast<long long>(L.total))
+          .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
+          .add("tflops", flops / t * 1e-6).add("bf16_time_us", bf16_us).add("speedup_vs_bf16", bf16_us / t)
+          .add("target_speedup", 1.6).add("quantize_x_us", tq).add("quantize_weights_us", tw)
+          .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6);
+      add_tile_order(j, order).print();
     }
-    JsonLine()
-        .add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
-        .add("schedule", schedule).add("case", name).add("groups", G).add("rows", static_cast<long long>(L.total))
-        .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
-        .add("tflops", flops / t * 1e-6).add("bf16_time_us", bf16_us).add("speedup_vs_bf16", bf16_us / t)
-        .add("target_speedup", 1.6).add("quantize_x_us", tq).add("quantize_weights_us", tw)
-        .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6)
-        .print();
   }
-  if (before) setenv("EPX_FP8_GEMM_KERNEL", saved.c_str(), 1);
-  else unsetenv("EPX_FP8_GEMM_KERNEL");
 }
 
 #ifdef EPX_GEMM_TRIALS
@@ -132,27 +187,37 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
   };
   const char* op = dgrad ? "grouped_gemm_dgrad_kernel" : "grouped_gemm_forward_kernel";
   shipped(want.data());
-  const double ts = bench::time_us([&](int) { shipped(want.data()); }, 10, 5, 2);
-  JsonLine().add("impl", "epx").add("op", op).add("case", name).add("schedule", "shipped").add("time_us", ts)
-      .add("tflops", flops / ts * 1e-6).print();
   const Tensor wh = want.to(Device::cpu());
   int count = 0;
   const cuda::ForwardTrial* trials = cuda::forward_trials(count);
+  // Each candidate's output against the shipped kernel's, once (in the kernel's own tile order).
+  std::vector<long long> differ(count, 0);
   for (int i = 0; i < count; ++i) {
     if (trials[i].dgrad != dgrad) continue;
     cudaMemset(got.data(), 0, static_cast<size_t>(R * Nout * 2));
     trials[i].run(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {});
     const Tensor gh = got.to(Device::cpu());
-    long long differ = 0;
     const uint16_t* gv = static_cast<const uint16_t*>(gh.data());
     const uint16_t* wv = static_cast<const uint16_t*>(wh.data());
-    for (int64_t j = 0; j < R * Nout; ++j) differ += gv[j] != wv[j];
-    const auto fn = trials[i].run;
-    const double t = bench::time_us([&](int) { fn(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {}); }, 10, 5, 2);
-    JsonLine().add("impl", "epx").add("op", op).add("case", name).add("schedule", trials[i].name).add("time_us", t)
-        .add("tflops", flops / t * 1e-6).add("shipped_over_trial_time", ts / t)
-        .add("elements_differing_from_shipped", differ)
-        .print();
+    for (int64_t j = 0; j < R * Nout; ++j) differ[i] += gv[j] != wv[j];
+  }
+  for (const TileOrderSetting& order : kTileOrders) {
+    const ScopedTileOrder scoped_order(order);
+    const double ts = bench::time_us([&](int) { shipped(want.data()); }, 10, 5, 2);
+    JsonLine js;
+    js.add("impl", "epx").add("op", op).add("case", name).add("schedule", "shipped").add("time_us", ts)
+        .add("tflops", flops / ts * 1e-6);
+    add_tile_order(js, order).print();
+    for (int i = 0; i < count; ++i) {
+      if (trials[i].dgrad != dgrad) continue;
+      const auto fn = trials[i].run;
+      const double t = bench::time_us([&](int) { fn(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {}); }, 10, 5, 2);
+      JsonLine j;
+      j.add("impl", "epx").add("op", op).add("case", name).add("schedule", trials[i].name).add("time_us", t)
+          .add("tflops", flops / t * 1e-6).add("shipped_over_trial_time", ts / t)
+          .add("elements_differing_from_shipped", differ[i]);
+      add_tile_order(j, order).print();
+    }
   }
 }
 #endif
@@ -251,6 +316,9 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
     want[f][0] = fetch(f, false);
     want[f][1] = fetch(f, true);
   }
+  // The tile orders only for the trials (a trials build).
+  const std::vector<TileOrderSetting> orders =
+      only == "trials" ? kTileOrders : std::vector<TileOrderSetting>{{nullptr, nullptr}};
   for (size_t vi = 0; vi < all.size(); ++vi) {
     const Variant& v = all[vi];
     if (only.empty() && vi >= variants.size()) continue;  // candidates only when asked for
@@ -267,13 +335,18 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
       const std::vector<unsigned char> got = fetch(fp32, tail);
       for (size_t i = 0; i < probe; ++i) mismatches += std::memcmp(&got[i * es], &want[fp32][tail][i * es], es) != 0;
     }
-    const double t = bench::time_us([&](int) { v.fn(); }, 10, 5, 2);
-    const double out_bytes = static_cast<double>(G) * K * N * (std::string(v.out) == "fp32" ? 4 : 2);
-    JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad_kernel").add("case", name).add("schedule", v.schedule)
-        .add("out", v.out).add("groups", G).add("rows", static_cast<long long>(L.total))
-        .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
-        .add("tflops", flops / t * 1e-6).add("gradient_write_gb_per_s", out_bytes / t * 1e-3)
-        .add("probe_mismatches_vs_cooperative", mismatches).print();
+    for (const TileOrderSetting& order : orders) {
+      const ScopedTileOrder scoped_order(order);
+      const double t = bench::time_us([&](int) { v.fn(); }, 10, 5, 2);
+      const double out_bytes = static_cast<double>(G) * K * N * (fp32 ? 4 : 2);
+      JsonLine j;
+      j.add("impl", "epx").add("op", "grouped_gemm_wgrad_kernel").add("case", name).add("schedule", v.schedule)
+          .add("out", v.out).add("groups", G).add("rows", static_cast<long long>(L.total))
+          .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
+          .add("tflops", flops / t * 1e-6).add("gradient_write_gb_per_s", out_bytes / t * 1e-3)
+          .add("probe_mismatches_vs_cooperative", mismatches);
+      add_tile_order(j, order).print();
+    }
   }
 }
 

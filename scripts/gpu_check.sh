@@ -4,7 +4,7 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [epbench] [eptrace]
+# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [epbench] [eptrace]
 #                            [layer] [profile] [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
@@ -167,6 +167,24 @@ if has bench; then
   fi
   summary "bench: $(wc -l <"$OUT/bench.jsonl") JSON lines"
   cat "$OUT/bench.jsonl"
+fi
+
+if has gemm; then
+  # bench_grouped_gemm between two runs of torch._grouped_mm (the clocks drift between runs, so ratios
+  # are taken within one call), then every wgrad kernel at the DeepSeek-V3 shapes. In a build with
+  # -DEPX_GEMM_TRIALS=ON the candidate kernels and tile orders join: gemm.jsonl.
+  : >"$OUT/gemm.jsonl"
+  python3 bench/torch_grouped_mm_baseline.py >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" || summary "gemm: torch baseline failed"
+  timeout "${GEMM_TIMEOUT:-400}" "$BUILD/bin/bench_grouped_gemm" >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
+    summary "gemm: bench_grouped_gemm failed rc=$?"
+  python3 bench/torch_grouped_mm_baseline.py >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" || summary "gemm: torch baseline failed"
+  if grep -q '^EPX_GEMM_TRIALS:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null; then
+    for c in ${GEMM_WGRAD_CASES:-fc1 fc2}; do
+      timeout 300 "$BUILD/bin/bench_grouped_gemm" --wgrad "$c" trials >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
+        summary "gemm: wgrad trials $c failed rc=$?"
+    done
+  fi
+  summary "gemm: $(wc -l <"$OUT/gemm.jsonl") JSON lines"
 fi
 
 if has mptests; then

@@ -5,6 +5,9 @@
 #include <string>
 
 #include "cuda/gemm/cutlass/grouped_fp8_sm90.cuh"
+#ifdef EPX_GEMM_TRIALS
+#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
+#endif
 #include "epx/error.h"
 
 namespace epx::cuda {
@@ -23,6 +26,10 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups) {
 void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const void* bt, const float* b_scales,
                                    void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                    const int32_t* rows, int groups, int64_t row_capacity, Stream stream) {
+#ifdef EPX_GEMM_TRIALS
+  if (const Fp8ForwardTrial* t = fp8_forward_trial_named(std::getenv("EPX_FP8_GEMM_KERNEL")))
+    return t->run(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups, stream);
+#endif
   if (fp8_gemm_schedule(row_capacity, groups) == Fp8GemmSchedule::kPingpong)
     return grouped_forward_fp8_blockwise_pingpong(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups,
                                                   stream);

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -69,6 +71,15 @@ struct CooperativeNoSource {
 struct CooperativeCluster2x1 {
   using TileShape = cute::Shape<_128, _256, _64>;
   using ClusterShape = cute::Shape<_2, _1, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// The same in pairs along N sharing their A tile: a group's M tiles need not come in pairs (a group
+// with an odd tile count leaves half a 2x1 cluster idle on its last tile), its N tiles always do
+// when N is a multiple of 512.
+struct CooperativeCluster1x2 {
+  using TileShape = cute::Shape<_128, _256, _64>;
+  using ClusterShape = cute::Shape<_1, _2, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -242,6 +253,39 @@ void carve_arrays(Cache& c, int groups, Assign&& assign) {
   assign(real);
 }
 
+// The order the persistent scheduler hands out each group's tiles in. Along M (CUTLASS's choice for
+// grouped problems), the CTAs running at once share B (weight) tiles; along N they share A tiles;
+// swizzle (1, 2, 4 or 8) walks blocks of that many tiles across the other dimension.
+struct TileOrder {
+  bool along_n = false;
+  int swizzle = 1;
+};
+
+// EPX_GEMM_RASTER=m|n and EPX_GEMM_SWIZZLE=1|2|4|8 override a kernel's order (read at each call, so
+// a benchmark can compare them in one process).
+inline TileOrder tile_order(TileOrder order) {
+  if (const char* v = std::getenv("EPX_GEMM_RASTER"); v != nullptr && *v != '\0') {
+    require(std::strcmp(v, "m") == 0 || std::strcmp(v, "n") == 0, "epx::grouped_gemm", "EPX_GEMM_RASTER is \"", v,
+            "\", expected m or n");
+    order.along_n = v[0] == 'n';
+  }
+  if (const char* v = std::getenv("EPX_GEMM_SWIZZLE"); v != nullptr && *v != '\0') {
+    const int sw = std::atoi(v);
+    require(sw == 1 || sw == 2 || sw == 4 || sw == 8, "epx::grouped_gemm", "EPX_GEMM_SWIZZLE is \"", v,
+            "\", expected 1, 2, 4 or 8");
+    order.swizzle = sw;
+  }
+  return order;
+}
+
+template <class Arguments>
+void set_tile_order(Arguments& args, TileOrder order) {
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  order = tile_order(order);
+  args.scheduler.raster_order = order.along_n ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = order.swizzle;
+}
+
 inline cutlass::KernelHardwareInfo hardware_info() {
   cutlass::KernelHardwareInfo hw;
   EPX_CUDA_CHECK(cudaGetDevice(&hw.device_id));
@@ -252,8 +296,9 @@ inline cutlass::KernelHardwareInfo hardware_info() {
 // Checks that CUTLASS can run `args`, sizes the cached workspace and launches on `s`. fn names the
 // op in errors; Kd, N and `rule` say which shapes it was given and what they must satisfy.
 template <class Gemm>
-void launch(const typename Gemm::Arguments& args, Cache& c, cudaStream_t s, const char* fn, int64_t Kd, int64_t N,
-            const char* rule) {
+void launch(typename Gemm::Arguments args, Cache& c, cudaStream_t s, const char* fn, int64_t Kd, int64_t N,
+            const char* rule, TileOrder order = {}) {
+  set_tile_order(args, order);
   Gemm gemm;
   require_status(gemm.can_implement(args) == cutlass::Status::kSuccess, Status::kNotSupported, fn,
                  "CUTLASS cannot run this grouped problem (K = ", Kd, ", N = ", N, "; ", rule, ")");
@@ -267,7 +312,7 @@ void launch(const typename Gemm::Arguments& args, Cache& c, cudaStream_t s, cons
 template <class K, class Out>
 void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
          int64_t out_group_stride, int64_t Kd, int64_t N, float beta, const int32_t* offsets, const int32_t* rows,
-         int groups, Stream stream) {
+         int groups, Stream stream, TileOrder order = {}) {
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
   Cache& c = cache_for(kernel_id);
@@ -301,7 +346,8 @@ void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
     args.epilogue.ptr_C = reinterpret_cast<const ElementOut**>(arr.c);
     args.epilogue.thread.beta = beta;
   }
-  launch<typename K::Gemm>(args, c, s, "epx::grouped_gemm", Kd, N, "rows and columns must be multiples of 8 elements");
+  launch<typename K::Gemm>(args, c, s, "epx::grouped_gemm", Kd, N, "rows and columns must be multiples of 8 elements",
+                           order);
 }
 
 }  // namespace epx::cuda::grouped

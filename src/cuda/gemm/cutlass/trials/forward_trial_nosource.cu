@@ -4,33 +4,21 @@
 #include "cuda/gemm/cutlass/trials/forward_trials.h"
 
 namespace epx::cuda {
-namespace {
 
-void forward_nosource(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                      const int32_t* offsets, const int32_t* rows, int groups, Stream stream) {
+void forward_trial_nosource(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+                            const int32_t* offsets, const int32_t* rows, int groups, Stream stream) {
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t,
                              grouped::CooperativeNoSource>;
   grouped::run<Kn, cutlass::bfloat16_t>(30, grouped::Mode::kForward, a, b, static_cast<cutlass::bfloat16_t*>(out),
                                         ld_out, 0, K, N, 0.0f, offsets, rows, groups, stream);
 }
 
-void dgrad_nosource(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                    const int32_t* offsets, const int32_t* rows, int groups, Stream stream) {
+void dgrad_trial_nosource(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+                          const int32_t* offsets, const int32_t* rows, int groups, Stream stream) {
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                              grouped::CooperativeNoSource>;
-  grouped::run<Kn, cutlass::bfloat16_t>(31, grouped::Mode::kDgrad, a, b, static_cast<cutlass::bfloat16_t*>(out),
-                                        ld_out, 0, K, N, 0.0f, offsets, rows, groups, stream);
-}
-
-}  // namespace
-
-const ForwardTrial* forward_trials(int& count) {
-  static const ForwardTrial trials[] = {
-      {"cooperative_nosource", false, forward_nosource},
-      {"cooperative_nosource", true, dgrad_nosource},
-  };
-  count = 2;
-  return trials;
+  grouped::run<Kn, cutlass::bfloat16_t>(31, grouped::Mode::kDgrad, a, b, static_cast<cutlass::bfloat16_t*>(out), ld_out,
+                                        0, K, N, 0.0f, offsets, rows, groups, stream);
 }
 
 }  // namespace epx::cuda

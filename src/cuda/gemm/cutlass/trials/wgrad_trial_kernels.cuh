@@ -1,5 +1,5 @@
 // One candidate wgrad kernel per translation unit (they compile in parallel): a schedule, its
-// epilogue sub-tile, and whether it keeps the source operand C.
+// epilogue sub-tile, whether it keeps the source operand C, and its cluster shape.
 #pragma once
 
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
@@ -9,10 +9,10 @@ namespace epx::cuda::wgrad_trial {
 
 using namespace cute;
 
-template <class Tile, class EpiTile, bool kPingpong, bool NoSource>
+template <class Tile, class EpiTile, bool kPingpong, bool NoSource, class Cluster = cute::Shape<_1, _1, _1>>
 struct Schedule {
   using TileShape = Tile;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using ClusterShape = Cluster;
   using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,

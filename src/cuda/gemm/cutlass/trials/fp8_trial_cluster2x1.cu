@@ -1,0 +1,14 @@
+// The cooperative FP8 block-scaled forward in 2x1 clusters (TMA multicast of one operand).
+#include "cuda/gemm/cutlass/grouped_fp8_sm90.cuh"
+#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
+
+namespace epx::cuda {
+
+void fp8_trial_cooperative_cluster2x1(const void* a, const float* a_scales, const void* bt, const float* b_scales,
+                                      void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
+                                      const int32_t* rows, int groups, Stream stream) {
+  grouped_fp8::forward<grouped_fp8::CooperativeCluster<2, 1, 110>>(a, a_scales, bt, b_scales, out, ld_out, K, N,
+                                                                   offsets, rows, groups, stream);
+}
+
+}  // namespace epx::cuda
