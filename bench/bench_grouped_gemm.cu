@@ -79,14 +79,14 @@ struct TileOrderSetting {
   const char* swizzle;
 };
 #ifdef EPX_GEMM_TRIALS
-const std::vector<TileOrderSetting> kTileOrders = {{"m", "1"}, {"n", "1"}, {"m", "2"},
-                                                   {"n", "2"}, {"m", "8"}, {"n", "8"}};
+const std::vector<TileOrderSetting> kTileOrders = {{"m", "1"}, {"n", "1"}, {"m", "4"}, {"n", "4"}};
 #else
 const std::vector<TileOrderSetting> kTileOrders = {{nullptr, nullptr}};
 #endif
 
 struct ScopedTileOrder {
-  explicit ScopedTileOrder(const TileOrderSetting& o) : raster("EPX_GEMM_RASTER", o.raster), swizzle("EPX_GEMM_SWIZZLE", o.swizzle) {}
+  explicit ScopedTileOrder(const TileOrderSetting& o)
+      : raster("EPX_GEMM_RASTER", o.raster), swizzle("EPX_GEMM_SWIZZLE", o.swizzle) {}
   ScopedEnv raster, swizzle;
 };
 
@@ -127,8 +127,8 @@ std::vector<int> zipf_sizes(int G, int total, double s) {
 // transposed once (outside the timing, as once per weight update), x's 1x128 quantization timed
 // apart (the layer would fuse it into dispatch), the GEMM op timed as a caller sees it (the scale
 // regrouping and the padding fill included).
-void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& w, int64_t K, int64_t N,
-             double bf16_us, double flops, double hbm) {
+void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& w, const Tensor& y_bf16, int64_t K,
+             int64_t N, double flops, double hbm) {
   if (K % 128 != 0 || N % 128 != 0) return;
   const int G = static_cast<int>(L.rows.size(0));
   Tensor x_q = Tensor::empty({L.total, K}, DType::kF8E4M3, Device::cuda(0));
@@ -138,36 +138,52 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   const double tw = bench::time_us([&](int) { quantize_grouped_weights_fp8(w, w_q, w_s); }, 3, 1, 1);
   const double tq = bench::time_us([&](int) { quantize(QuantRecipe::kFp8Block1x128, x, x_q, x_s); }, 10, 5, 2);
-  // Both schedules of the FP8 kernel and, in a trials build, the candidates (EPX_FP8_GEMM_KERNEL is
-  // read at every call).
+  // The bf16 forward and every schedule of the FP8 kernel (EPX_FP8_GEMM_KERNEL is read at every call;
+  // a trials build adds the candidates and the tile orders) in one interleaved contest, so the
+  // speedup compares them at the same sustained clock.
   std::vector<const char*> schedules = {"cooperative", "pingpong"};
 #ifdef EPX_GEMM_TRIALS
   int trial_count = 0;
   const cuda::Fp8ForwardTrial* trials = cuda::fp8_forward_trials(trial_count);
   for (int i = 0; i < trial_count; ++i) schedules.push_back(trials[i].name);
 #endif
-  for (const TileOrderSetting& order : kTileOrders) {
-    const ScopedTileOrder scoped_order(order);
+  struct Entry {
+    const char* schedule;
+    TileOrderSetting order;
+  };
+  std::vector<Entry> entries;
+  std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y_bf16); }};
+  for (const TileOrderSetting& order : kTileOrders)
     for (const char* schedule : schedules) {
-      const ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
-      double t = 0;
-      try {
-        t = bench::time_us([&](int) { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y); }, 10, 5, 2);
-      } catch (const Error& e) {  // one schedule failing must not hide the other lines
+      try {  // one schedule failing must not hide the other lines
+        const ScopedTileOrder scoped_order(order);
+        const ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
+        EPX_CUDA_CHECK(cudaDeviceSynchronize());
+      } catch (const Error& e) {
         JsonLine j;
         j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("schedule", schedule).add("case", name);
         add_tile_order(j, order).add("error", e.what()).print();
         continue;
       }
-      JsonLine j;
-      j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
-          .add("schedule", schedule).add("case", name).add("groups", G).add("rows", static_cast<long long>(L.total))
-          .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
-          .add("tflops", flops / t * 1e-6).add("bf16_time_us", bf16_us).add("speedup_vs_bf16", bf16_us / t)
-          .add("target_speedup", 1.6).add("quantize_x_us", tq).add("quantize_weights_us", tw)
-          .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6);
-      add_tile_order(j, order).print();
+      entries.push_back({schedule, order});
+      fns.push_back([&, schedule, order] {
+        const ScopedTileOrder scoped_order(order);
+        const ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
+      });
     }
+  const std::vector<double> t = bench::time_interleaved(fns);
+  for (size_t e = 0; e < entries.size(); ++e) {
+    JsonLine j;
+    j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
+        .add("schedule", entries[e].schedule).add("case", name).add("groups", G)
+        .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K))
+        .add("N", static_cast<long long>(N)).add("time_us", t[e + 1]).add("tflops", flops / t[e + 1] * 1e-6)
+        .add("bf16_time_us", t[0]).add("speedup_vs_bf16", t[0] / t[e + 1]).add("target_speedup", 1.6)
+        .add("quantize_x_us", tq).add("quantize_weights_us", tw)
+        .add("weight_read_floor_us", static_cast<double>(G) * K * N / hbm * 1e6);
+    add_tile_order(j, entries[e].order).print();
   }
 }
 
@@ -201,23 +217,37 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
     const uint16_t* wv = static_cast<const uint16_t*>(wh.data());
     for (int64_t j = 0; j < R * Nout; ++j) differ[i] += gv[j] != wv[j];
   }
+  // The shipped kernel and the candidates under every tile order, interleaved (time_interleaved).
+  struct Entry {
+    const char* schedule;
+    TileOrderSetting order;
+  };
+  std::vector<Entry> entries;
+  std::vector<std::function<void()>> fns;
   for (const TileOrderSetting& order : kTileOrders) {
-    const ScopedTileOrder scoped_order(order);
-    const double ts = bench::time_us([&](int) { shipped(want.data()); }, 10, 5, 2);
-    JsonLine js;
-    js.add("impl", "epx").add("op", op).add("case", name).add("schedule", "shipped").add("time_us", ts)
-        .add("tflops", flops / ts * 1e-6);
-    add_tile_order(js, order).print();
+    entries.push_back({"shipped", order});
+    fns.push_back([&, order] {
+      const ScopedTileOrder scoped_order(order);
+      shipped(want.data());
+    });
     for (int i = 0; i < count; ++i) {
       if (trials[i].dgrad != dgrad) continue;
-      const auto fn = trials[i].run;
-      const double t = bench::time_us([&](int) { fn(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {}); }, 10, 5, 2);
-      JsonLine j;
-      j.add("impl", "epx").add("op", op).add("case", name).add("schedule", trials[i].name).add("time_us", t)
-          .add("tflops", flops / t * 1e-6).add("shipped_over_trial_time", ts / t)
-          .add("elements_differing_from_shipped", differ[i]);
-      add_tile_order(j, order).print();
+      entries.push_back({trials[i].name, order});
+      fns.push_back([&, order, fn = trials[i].run] {
+        const ScopedTileOrder scoped_order(order);
+        fn(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {});
+      });
     }
+  }
+  const std::vector<double> t = bench::time_interleaved(fns);
+  for (size_t e = 0; e < entries.size(); ++e) {
+    JsonLine j;
+    j.add("impl", "epx").add("op", op).add("case", name).add("schedule", entries[e].schedule).add("time_us", t[e])
+        .add("tflops", flops / t[e] * 1e-6).add("shipped_over_trial_time", t[0] / t[e]);
+    for (int i = 0; i < count; ++i)
+      if (trials[i].dgrad == dgrad && std::strcmp(trials[i].name, entries[e].schedule) == 0)
+        j.add("elements_differing_from_shipped", differ[i]);
+    add_tile_order(j, entries[e].order).print();
   }
 }
 #endif
@@ -242,7 +272,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
 #ifdef EPX_GEMM_TRIALS
   run_forward_trials(name, false, {x.data(), K, 0}, {w.data(), N, K * N}, N, K, N, L, G, flops);
 #endif
-  run_fp8(name, L, x, w, K, N, t, flops, hbm);
+  run_fp8(name, L, x, w, y, K, N, flops, hbm);
   if (!backward) return;
   Tensor dy = device_random({L.total, N}, DType::kBF16, 4, 1.0), dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
   Tensor dw = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
@@ -316,9 +346,9 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
     want[f][0] = fetch(f, false);
     want[f][1] = fetch(f, true);
   }
-  // The tile orders only for the trials (a trials build).
-  const std::vector<TileOrderSetting> orders =
-      only == "trials" ? kTileOrders : std::vector<TileOrderSetting>{{nullptr, nullptr}};
+  // Which variants run, and each one's probe mismatches.
+  std::vector<size_t> picked;
+  std::vector<long long> mismatches;
   for (size_t vi = 0; vi < all.size(); ++vi) {
     const Variant& v = all[vi];
     if (only.empty() && vi >= variants.size()) continue;  // candidates only when asked for
@@ -330,24 +360,42 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
     cudaMemset(out + (total - probe) * es, 0xff, probe * es);
     v.fn();
     cudaDeviceSynchronize();
-    long long mismatches = 0;
+    long long m = 0;
     for (int tail = 0; tail < 2; ++tail) {
       const std::vector<unsigned char> got = fetch(fp32, tail);
-      for (size_t i = 0; i < probe; ++i) mismatches += std::memcmp(&got[i * es], &want[fp32][tail][i * es], es) != 0;
+      for (size_t i = 0; i < probe; ++i) m += std::memcmp(&got[i * es], &want[fp32][tail][i * es], es) != 0;
     }
-    for (const TileOrderSetting& order : orders) {
-      const ScopedTileOrder scoped_order(order);
-      const double t = bench::time_us([&](int) { v.fn(); }, 10, 5, 2);
-      const double out_bytes = static_cast<double>(G) * K * N * (fp32 ? 4 : 2);
+    picked.push_back(vi);
+    mismatches.push_back(m);
+  }
+  // Trials: every variant under every tile order in one interleaved contest; otherwise each alone.
+  const bool contest = only == "trials";
+  const std::vector<TileOrderSetting> orders =
+      contest ? kTileOrders : std::vector<TileOrderSetting>{{nullptr, nullptr}};
+  std::vector<std::function<void()>> fns;
+  for (const TileOrderSetting& order : orders)
+    for (size_t p : picked)
+      fns.push_back([&, order, p] {
+        const ScopedTileOrder scoped_order(order);
+        all[p].fn();
+      });
+  std::vector<double> times;
+  if (contest) times = bench::time_interleaved(fns);
+  else
+    for (const auto& fn : fns) times.push_back(bench::time_us([&](int) { fn(); }, 10, 5, 2));
+  for (size_t o = 0; o < orders.size(); ++o)
+    for (size_t k = 0; k < picked.size(); ++k) {
+      const Variant& v = all[picked[k]];
+      const double t = times[o * picked.size() + k];
+      const double out_bytes = static_cast<double>(G) * K * N * (std::string(v.out) == "fp32" ? 4 : 2);
       JsonLine j;
       j.add("impl", "epx").add("op", "grouped_gemm_wgrad_kernel").add("case", name).add("schedule", v.schedule)
           .add("out", v.out).add("groups", G).add("rows", static_cast<long long>(L.total))
           .add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N)).add("time_us", t)
           .add("tflops", flops / t * 1e-6).add("gradient_write_gb_per_s", out_bytes / t * 1e-3)
-          .add("probe_mismatches_vs_cooperative", mismatches);
-      add_tile_order(j, order).print();
+          .add("probe_mismatches_vs_cooperative", mismatches[k]);
+      add_tile_order(j, orders[o]).print();
     }
-  }
 }
 
 }  // namespace

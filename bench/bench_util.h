@@ -43,6 +43,55 @@ inline double time_us(const std::function<void(int)>& fn, int iters = 20, int re
   return t[t.size() / 2];
 }
 
+/// Medians of several variants of one operation timed fairly on a GPU whose clock falls within tens
+/// of milliseconds of sustained tensor-core load (an H200 under a large GEMM: ~15%): first ~0.3 s of
+/// fns[0] to reach the sustained clock, then `rounds` rounds in which every variant runs `iters`
+/// back-to-back calls, in a fresh random order each round, so no variant always follows an idle gap
+/// or the same neighbour. Times in microseconds per call, in the order of fns.
+inline std::vector<double> time_interleaved(const std::vector<std::function<void()>>& fns, int rounds = 7,
+                                            int iters = 5) {
+  std::vector<double> out(fns.size(), 0.0);
+  if (fns.empty()) return out;
+  cudaEvent_t a, b;
+  EPX_CUDA_CHECK(cudaEventCreate(&a));
+  EPX_CUDA_CHECK(cudaEventCreate(&b));
+  float warm_ms = 0;
+  while (warm_ms < 300.0f) {
+    EPX_CUDA_CHECK(cudaEventRecord(a));
+    for (int i = 0; i < 10; ++i) fns[0]();
+    EPX_CUDA_CHECK(cudaEventRecord(b));
+    EPX_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    warm_ms += std::max(ms, 0.01f);
+  }
+  std::vector<std::vector<double>> t(fns.size());
+  std::vector<size_t> order(fns.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937 rng(12345);
+  for (int r = 0; r < rounds; ++r) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (size_t v : order) {
+      fns[v]();  // one untimed call: the variant's own setup (cached arrays) out of the timing
+      EPX_CUDA_CHECK(cudaEventRecord(a));
+      for (int i = 0; i < iters; ++i) fns[v]();
+      EPX_CUDA_CHECK(cudaEventRecord(b));
+      EPX_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      t[v].push_back(1e3 * ms / iters);
+    }
+  }
+  EPX_CUDA_CHECK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  for (size_t v = 0; v < fns.size(); ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    out[v] = t[v][t[v].size() / 2];
+  }
+  return out;
+}
+
 /// Device-to-device copy bandwidth (bytes read + written per second), the HBM ceiling we report
 /// fractions of.
 inline double measure_hbm_bytes_per_s() {
