@@ -252,39 +252,53 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
 }
 #endif
 
+// One shape: the grouped forward and the dense cuBLASLt GEMM of the same FLOPs, and for a backward
+// shape dgrad and wgrad (fp32 and bf16 gradients), timed in one interleaved contest
+// (time_interleaved) so every ratio compares them at the same sustained clock; then the candidates
+// (trials build) and the FP8 forward.
 void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward) {
   const LayoutD L = layout(sizes);
   const int G = static_cast<int>(sizes.size());
   Tensor x = device_random({L.total, K}, DType::kBF16, 1, 1.0), w = device_random({G, K, N}, DType::kBF16, 2, 0.02);
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   const double flops = 2.0 * L.total * K * N;
-  const double t = bench::time_us([&](int) { grouped_gemm_forward(x, w, L.offsets, L.rows, y); }, 10, 5, 2);
-  Tensor wd = device_random({K, N}, DType::kBF16, 3, 0.02), yd = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
-  const double td = bench::time_us([&](int) { gemm(x, wd, yd); }, 10, 5, 2);
+  Tensor wd = device_random({K, N}, DType::kBF16, 3, 0.02);
+  Tensor yd = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
+  std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y); },
+                                            [&] { gemm(x, wd, yd); }};
+  Tensor dy, dx, dw32, dw16;
+  if (backward) {
+    dy = device_random({L.total, N}, DType::kBF16, 4, 1.0);
+    dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
+    dw32 = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
+    dw16 = Tensor::empty({G, K, N}, DType::kBF16, Device::cuda(0));
+    fns.push_back([&] { grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx); });
+    fns.push_back([&] { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw32); });
+    fns.push_back([&] { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw16); });
+  }
+  const std::vector<double> t = bench::time_interleaved(fns);
+  const double tf = t[0], td = t[1];
   JsonLine j;
   j.add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("groups", G)
       .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N))
-      .add("time_us", t).add("tflops", flops / t * 1e-6).add("dense_cublas_us", td).add("dense_tflops", flops / td * 1e-6)
-      .add("fraction_of_dense", td / t);
+      .add("time_us", tf).add("tflops", flops / tf * 1e-6).add("dense_cublas_us", td).add("dense_tflops", flops / td * 1e-6)
+      .add("fraction_of_dense", td / tf);
   const double weight_bytes = 2.0 * G * K * N;
   j.add("weight_read_floor_us", weight_bytes / hbm * 1e6);
   j.print();
+  if (backward) {
+    JsonLine().add("impl", "epx").add("op", "grouped_gemm_dgrad").add("case", name).add("time_us", t[2])
+        .add("tflops", flops / t[2] * 1e-6).add("fraction_of_forward", tf / t[2]).print();
+    for (int b = 0; b < 2; ++b)
+      JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad").add("case", name).add("grads", b ? "bf16" : "fp32")
+          .add("time_us", t[3 + b]).add("tflops", flops / t[3 + b] * 1e-6).add("fraction_of_forward", tf / t[3 + b])
+          .print();
+  }
 #ifdef EPX_GEMM_TRIALS
   run_forward_trials(name, false, {x.data(), K, 0}, {w.data(), N, K * N}, N, K, N, L, G, flops);
+  if (backward) run_forward_trials(name, true, {dy.data(), N, 0}, {w.data(), N, K * N}, K, N, K, L, G, flops);
 #endif
   run_fp8(name, L, x, w, y, K, N, flops, hbm);
-  if (!backward) return;
-  Tensor dy = device_random({L.total, N}, DType::kBF16, 4, 1.0), dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
-  Tensor dw = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
-  const double tg = bench::time_us([&](int) { grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx); }, 10, 5, 2);
-  const double tw = bench::time_us([&](int) { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw); }, 10, 5, 2);
-#ifdef EPX_GEMM_TRIALS
-  run_forward_trials(name, true, {dy.data(), N, 0}, {w.data(), N, K * N}, K, N, K, L, G, flops);
-#endif
-  JsonLine().add("impl", "epx").add("op", "grouped_gemm_dgrad").add("case", name).add("time_us", tg)
-      .add("tflops", flops / tg * 1e-6).add("fraction_of_forward", t / tg).print();
-  JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad").add("case", name).add("time_us", tw)
-      .add("tflops", flops / tw * 1e-6).add("fraction_of_forward", t / tw).print();
 }
 
 // Every wgrad kernel on one shape: both schedules, fp32 and bf16 gradients (the layer's choice).
@@ -313,6 +327,8 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
       {"pingpong", "bf16", [&] { cuda::grouped_wgrad_bf16_out_pingpong(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"cluster2x1", "bf16", [&] { cuda::grouped_wgrad_bf16_out_cluster(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"nosource", "bf16", [&] { cuda::grouped_wgrad_bf16_out_nosource(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+      {"pingpong_nosource", "bf16",
+       [&] { cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
   };
 #ifdef EPX_GEMM_TRIALS
   int trial_count = 0;

@@ -5,13 +5,22 @@ import json
 import torch
 
 
-def timed(fn, iters=10, reps=5):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
+def timed(fn, iters=5, rounds=7, warm_s=0.3):
+    """Median per-call time in us after ~warm_s of back-to-back calls: an H200's clock falls within
+    tens of milliseconds of GEMM load, and bench_grouped_gemm times at that sustained clock too
+    (bench::time_interleaved: the same warm-up, rounds and calls per round)."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    warm = 0.0
+    while warm < warm_s * 1e3:
+        s.record()
+        for _ in range(10):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        warm += max(s.elapsed_time(e), 0.01)
     t = []
-    for _ in range(reps):
+    for _ in range(rounds):
+        fn()
         s.record()
         for _ in range(iters):
             fn()

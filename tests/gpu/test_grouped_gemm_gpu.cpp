@@ -127,19 +127,25 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   cuda::grouped_wgrad_bf16_out_cluster(a, d, k16.data(), K * N, K, N, o, r, G, {});
   Tensor n16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
   cuda::grouped_wgrad_bf16_out_nosource(a, d, n16.data(), K * N, K, N, o, r, G, {});
+  Tensor q16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
+  cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, q16.data(), K * N, K, N, o, r, G, {});
   EXPECT_LT(rel_err(c32, dw_ref), 1e-2);
   EXPECT_TRUE(testing::bit_equal(p32, c32)) << "ping-pong vs cooperative, fp32 out";
   EXPECT_TRUE(testing::bit_equal(p16, c16)) << "ping-pong vs cooperative, bf16 out";
   EXPECT_TRUE(testing::bit_equal(k16, c16)) << "2x1 clusters vs cooperative, bf16 out";
-  // The no-source kernel skips empty groups like the others (their 7s stay; the layer zeroes them
-  // first) and writes every other element, identical to the cooperative result.
-  Tensor nh = to_host(n16), ch = to_host(c16);
-  int64_t differ = 0;
-  for (int64_t i = 0; i < nh.numel(); ++i) {
-    const bool empty_group = L.rows.ptr<int32_t>()[i / (K * N)] == 0;
-    differ += empty_group ? nh.item(i) != 7.0 : nh.item(i) != ch.item(i);
+  // The no-source kernels skip empty groups like the others (their 7s stay; the layer zeroes them
+  // first) and write every other element, identical to the cooperative result.
+  const Tensor ch = to_host(c16);
+  for (const auto& [what, got] : {std::pair<const char*, const Tensor*>{"no-source cooperative", &n16},
+                                  {"no-source ping-pong", &q16}}) {
+    const Tensor h = to_host(*got);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < h.numel(); ++i) {
+      const bool empty_group = L.rows.ptr<int32_t>()[i / (K * N)] == 0;
+      differ += empty_group ? h.item(i) != 7.0 : h.item(i) != ch.item(i);
+    }
+    EXPECT_EQ(differ, 0) << what << " vs cooperative, bf16 out";
   }
-  EXPECT_EQ(differ, 0) << "no-source cooperative vs cooperative, bf16 out";
   Tensor h32 = to_host(c32), h16 = to_host(c16), rounded = Tensor::empty({G, K, N}, DType::kBF16);
   for (int64_t i = 0; i < h32.numel(); ++i) store_from_double(rounded.data(), DType::kBF16, i, h32.item(i));
   EXPECT_TRUE(testing::bit_equal(h16, rounded)) << "bf16 out must be the fp32 accumulator rounded once";
@@ -149,7 +155,7 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EXPECT_TRUE(testing::bit_equal(pub, c32)) << "grouped_gemm_wgrad";
   Tensor ph = to_host(pub);
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), 0.0) << "empty expert's gradient must be zero";
-  // bf16 gradients through the public op (auto: the no-source kernel at these group sizes)
+  // bf16 gradients through the public op (auto: the no-source ping-pong kernel)
   Tensor pub16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
   grouped_gemm_wgrad(xg, dyg, off, rows, pub16);
   EXPECT_TRUE(testing::bit_equal(pub16, c16)) << "grouped_gemm_wgrad, bf16 out";

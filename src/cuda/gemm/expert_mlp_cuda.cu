@@ -209,16 +209,22 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
   WgradSchedule sched = wgrad_schedule();
   if (dw.dtype() == DType::kF32) {
     float* out = dw.ptr<float>() + elem_offset;
-    if (sched == WgradSchedule::kCooperative || sched == WgradSchedule::kNoSource)
+    if (sched == WgradSchedule::kCooperative || sched == WgradSchedule::kNoSource ||
+        sched == WgradSchedule::kPingpongNoSource)
       grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
     else
       grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
     return;
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
-  if (sched == WgradSchedule::kAuto) sched = beta == 0.0f ? WgradSchedule::kNoSource : WgradSchedule::kPingpong;
-  if (sched == WgradSchedule::kNoSource && beta != 0.0f) sched = WgradSchedule::kCooperative;  // it cannot add
+  if (sched == WgradSchedule::kAuto)
+    sched = beta == 0.0f ? WgradSchedule::kPingpongNoSource : WgradSchedule::kPingpong;
+  const bool no_source = sched == WgradSchedule::kNoSource || sched == WgradSchedule::kPingpongNoSource;
+  if (no_source && beta != 0.0f) sched = WgradSchedule::kCooperative;  // they cannot add
   switch (sched) {
+    case WgradSchedule::kPingpongNoSource:
+      grouped_wgrad_bf16_out_pingpong_nosource(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+      break;
     case WgradSchedule::kNoSource:
       grouped_wgrad_bf16_out_nosource(a, d, out, group_stride, K, N, offsets, rows, G, stream);
       break;
@@ -277,12 +283,13 @@ WgradSchedule wgrad_schedule() {
     const std::string s(v);
     if (s == "auto") return WgradSchedule::kAuto;
     if (s == "nosource") return WgradSchedule::kNoSource;
+    if (s == "pingpong_nosource") return WgradSchedule::kPingpongNoSource;
     if (s == "pingpong") return WgradSchedule::kPingpong;
     if (s == "cooperative") return WgradSchedule::kCooperative;
     if (s == "cluster") return WgradSchedule::kCluster;
     throw Error(Status::kInvalidArgument,
                 detail::concat("epx: EPX_WGRAD_KERNEL is \"", s,
-                               "\", expected auto, cooperative, pingpong, cluster or nosource"));
+                               "\", expected auto, cooperative, pingpong, cluster, nosource or pingpong_nosource"));
   }();
   return chosen;
 }

@@ -42,6 +42,10 @@ void grouped_wgrad_bf16_out_nosource(GroupedOperand, GroupedOperand, void*, int6
                                      const int32_t*, int, Stream) {
   unavailable();
 }
+void grouped_wgrad_bf16_out_pingpong_nosource(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t,
+                                              const int32_t*, const int32_t*, int, Stream) {
+  unavailable();
+}
 void grouped_wgrad_bf16_out_cluster(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
                                     const int32_t*, int, Stream, float) {
   unavailable();

@@ -66,6 +66,20 @@ struct CooperativeNoSource {
   static constexpr bool kNoSource = true;
 };
 
+// Ping-pong 128x128 tiles without the source operand C and with 64x64 epilogue sub-tiles (CUTLASS's
+// choice: 64x32): one warp group stores its tile while the other computes, and the shared memory C's
+// stages held goes to the mainloop. For wgrad with overwritten bf16 gradients; at DeepSeek-V3's shapes
+// (128 groups x 256 rows) on an H200, 5-8% faster than CooperativeNoSource when the two are timed
+// interleaved at the sustained clock (bench_grouped_gemm --wgrad fc1|fc2 trials).
+struct PingpongNoSource {
+  using TileShape = cute::Shape<_128, _128, _64>;
+  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueTile = cute::Shape<_64, _64>;
+  static constexpr bool kNoSource = true;
+};
+
 // Cooperative tiles in pairs along M that share their B tile through TMA multicast: half the B
 // traffic from L2, for GEMMs whose short contraction leaves them bound by operand loads (wgrad).
 struct CooperativeCluster2x1 {
