@@ -66,14 +66,17 @@ struct CooperativeNoSource {
   static constexpr bool kNoSource = true;
 };
 
-// Ping-pong 128x128 tiles without the source operand C and with 64x64 epilogue sub-tiles (CUTLASS's
-// choice: 64x32): one warp group stores its tile while the other computes, and the shared memory C's
-// stages held goes to the mainloop. For wgrad with overwritten bf16 gradients; at DeepSeek-V3's shapes
-// (128 groups x 256 rows) on an H200, 5-8% faster than CooperativeNoSource when the two are timed
-// interleaved at the sustained clock (bench_grouped_gemm --wgrad fc1|fc2 trials).
+// Ping-pong 128x128 tiles without the source operand C, with 64x64 epilogue sub-tiles (CUTLASS's
+// choice: 64x32), in pairs along M that share their B tile by TMA multicast: one warp group stores
+// its tile while the other computes, the shared memory C's stages held goes to the mainloop, and B
+// is read from L2 once per pair. For wgrad with overwritten bf16 gradients, whose M is the hidden or
+// FFN size (always whole tile pairs at real shapes). On an H200, timed interleaved at the sustained
+// clock (bench_grouped_gemm --wgrad fc1|fc2|32x1024 trials, two runs): 5-8% faster than
+// CooperativeNoSource at DeepSeek-V3's shapes (128 groups x 256 rows), and the 2x1 cluster 1-2%
+// faster than none there, 8% at 32 groups x 1024 rows.
 struct PingpongNoSource {
   using TileShape = cute::Shape<_128, _128, _64>;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
+  using ClusterShape = cute::Shape<_2, _1, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using EpilogueTile = cute::Shape<_64, _64>;
