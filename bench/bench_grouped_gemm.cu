@@ -3,7 +3,7 @@
 // fraction of the dense GEMM's rate; decode also the weight-read floor at the measured HBM speed.
 // Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
 // beside the shipped ones and counts the output elements where they differ.
-// usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024 SCHEDULE:OUT|trials]
+// usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -281,7 +281,8 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
   JsonLine j;
   j.add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("groups", G)
       .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N))
-      .add("time_us", tf).add("tflops", flops / tf * 1e-6).add("dense_cublas_us", td).add("dense_tflops", flops / td * 1e-6)
+      .add("time_us", tf).add("tflops", flops / tf * 1e-6).add("dense_cublas_us", td)
+      .add("dense_tflops", flops / td * 1e-6)
       .add("fraction_of_dense", td / tf);
   const double weight_bytes = 2.0 * G * K * N;
   j.add("weight_read_floor_us", weight_bytes / hbm * 1e6);
@@ -425,15 +426,31 @@ int main(int argc, char** argv) {
     // --wgrad CASE SCHEDULE:OUT: one wgrad kernel on one shape, nothing else (profiling); --wgrad CASE
     // trials: every shipped wgrad kernel and the candidates (-DEPX_GEMM_TRIALS=ON).
     if (argc == 4 && std::string(argv[1]) == "--wgrad") {
+      struct WgradCase {
+        const char* arg;
+        const char* name;
+        int groups, rows;
+        int64_t K, N;
+      };
+      // fc1 / fc2: the DeepSeek-V3 layer on 2 GPUs (128 local experts, ~256 rows each); the _r128
+      // ones: on one GPU (all 256 experts, ~128 rows each).
+      const WgradCase cases[] = {{"fc1", "dsv3_fc1_128x256_k7168_n4096", 128, 256, 7168, 4096},
+                                 {"fc2", "dsv3_fc2_128x256_k2048_n7168", 128, 256, 2048, 7168},
+                                 {"32x1024", "32x1024_k7168_n2048", 32, 1024, 7168, 2048},
+                                 {"fc1_r128", "dsv3_fc1_256x128_k7168_n4096", 256, 128, 7168, 4096},
+                                 {"fc2_r128", "dsv3_fc2_256x128_k2048_n7168", 256, 128, 2048, 7168}};
       const std::string c = argv[2];
-      if (c == "fc1") run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, argv[3]);
-      else if (c == "fc2") run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, argv[3]);
-      else if (c == "32x1024") run_wgrad_variants("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048, argv[3]);
-      else throw std::runtime_error("bench_grouped_gemm: --wgrad takes fc1, fc2 or 32x1024, not " + c);
+      const WgradCase* found = nullptr;
+      for (const WgradCase& w : cases)
+        if (c == w.arg) found = &w;
+      if (found == nullptr)
+        throw std::runtime_error("bench_grouped_gemm: --wgrad takes fc1, fc2, 32x1024, fc1_r128 or fc2_r128, not " + c);
+      run_wgrad_variants(found->name, std::vector<int>(found->groups, found->rows), found->K, found->N, argv[3]);
       return 0;
     }
     if (argc != 1) {
-      std::fprintf(stderr, "usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024 SCHEDULE:OUT|trials]\n");
+      std::fprintf(stderr,
+                   "usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]\n");
       return 2;
     }
     const double hbm = bench::measure_hbm_bytes_per_s();

@@ -171,19 +171,21 @@ fi
 
 if has gemm; then
   # bench_grouped_gemm between two runs of torch._grouped_mm (the clocks drift between runs, so ratios
-  # are taken within one call), then every wgrad kernel at the DeepSeek-V3 shapes. In a build with
-  # -DEPX_GEMM_TRIALS=ON the candidate kernels and tile orders join: gemm.jsonl.
+  # are taken within one call), then every wgrad kernel in one interleaved contest per shape of
+  # GEMM_WGRAD_CASES (default: the DeepSeek-V3 shapes on 2 GPUs, fc1 fc2; fc1_r128 fc2_r128 are the
+  # one-GPU layer's). In a build with -DEPX_GEMM_TRIALS=ON the candidate kernels and tile orders
+  # join: gemm.jsonl.
   : >"$OUT/gemm.jsonl"
-  python3 bench/torch_grouped_mm_baseline.py >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" || summary "gemm: torch baseline failed"
+  python3 bench/torch_grouped_mm_baseline.py >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
+    summary "gemm: torch baseline failed"
   timeout "${GEMM_TIMEOUT:-400}" "$BUILD/bin/bench_grouped_gemm" >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
     summary "gemm: bench_grouped_gemm failed rc=$?"
-  python3 bench/torch_grouped_mm_baseline.py >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" || summary "gemm: torch baseline failed"
-  if grep -q '^EPX_GEMM_TRIALS:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null; then
-    for c in ${GEMM_WGRAD_CASES:-fc1 fc2}; do
-      timeout 300 "$BUILD/bin/bench_grouped_gemm" --wgrad "$c" trials >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
-        summary "gemm: wgrad trials $c failed rc=$?"
-    done
-  fi
+  python3 bench/torch_grouped_mm_baseline.py >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
+    summary "gemm: torch baseline failed"
+  for c in ${GEMM_WGRAD_CASES:-fc1 fc2}; do
+    timeout 300 "$BUILD/bin/bench_grouped_gemm" --wgrad "$c" trials >>"$OUT/gemm.jsonl" 2>>"$OUT/gemm.err" ||
+      summary "gemm: wgrad contest $c failed rc=$?"
+  done
   summary "gemm: $(wc -l <"$OUT/gemm.jsonl") JSON lines"
 fi
 

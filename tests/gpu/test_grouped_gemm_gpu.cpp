@@ -155,7 +155,7 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EXPECT_TRUE(testing::bit_equal(pub, c32)) << "grouped_gemm_wgrad";
   Tensor ph = to_host(pub);
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), 0.0) << "empty expert's gradient must be zero";
-  // bf16 gradients through the public op (auto: the no-source ping-pong kernel)
+  // bf16 gradients through the public op (auto: the no-source cooperative kernel at groups this small)
   Tensor pub16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
   grouped_gemm_wgrad(xg, dyg, off, rows, pub16);
   EXPECT_TRUE(testing::bit_equal(pub16, c16)) << "grouped_gemm_wgrad, bf16 out";

@@ -203,9 +203,11 @@ void zero_empty_groups(const TensorRef& out, int64_t group_elems, const int32_t*
 }
 
 // Weight gradient of one grouped operand pair into fp32 or bf16 (the dtype of dw); beta 1 adds it
-// to dw (MlpConfig::accumulate_weight_grads).
+// to dw (MlpConfig::accumulate_weight_grads). row_capacity: the rows of the expert-major operands
+// (the schedule choice's only view of the group sizes, which stay on the device).
 void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem_offset, int64_t group_stride,
-           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, float beta, Stream stream) {
+           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, int64_t row_capacity, float beta,
+           Stream stream) {
   WgradSchedule sched = wgrad_schedule();
   if (dw.dtype() == DType::kF32) {
     float* out = dw.ptr<float>() + elem_offset;
@@ -218,7 +220,9 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
   if (sched == WgradSchedule::kAuto)
-    sched = beta == 0.0f ? WgradSchedule::kPingpongNoSource : WgradSchedule::kPingpong;
+    sched = beta != 0.0f                                               ? WgradSchedule::kPingpong
+            : row_capacity >= kPingpongWgradMinRowsPerGroup * int64_t{G} ? WgradSchedule::kPingpongNoSource
+                                                                       : WgradSchedule::kNoSource;
   const bool no_source = sched == WgradSchedule::kNoSource || sched == WgradSchedule::kPingpongNoSource;
   if (no_source && beta != 0.0f) sched = WgradSchedule::kCooperative;  // they cannot add
   switch (sched) {
@@ -448,7 +452,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
     zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
   }
   // wgrad of FC2 first: it is h's last reader, so d_h may then take h's place.
-  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, beta, stream);
+  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, R, beta, stream);
   detail::phase_mark(stream, "wgrad_fc2");
   const bool in_place = c.backward_consumes_saved;
   // d_h and d_a: over h and a, or in the caller's workspace [R, (P+1)*F], or in the device scratch.
@@ -473,7 +477,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
   detail::phase_mark(stream, "dgrad_fc1");
-  wgrad({x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, beta, stream);
+  wgrad({x.data(), H, 0}, {d_a, PF, 0}, d.d_w_in, 0, H * PF, H, PF, off, rows, G, R, beta, stream);
   detail::phase_mark(stream, "wgrad_fc1");
 }
 
@@ -539,7 +543,7 @@ void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef
                  "epx::grouped_gemm_wgrad", "dw is ", dtype_name(dw.dtype()), "; the GPU wgrad writes fp32 or bf16 dw");
   if (!accumulate) zero_empty_groups(dw, K * N, rows.ptr<int32_t>(), G, to_cuda(stream));
   wgrad({x.data(), K, 0}, {dy.data(), N, 0}, dw, 0, K * N, K, N, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
-        accumulate ? 1.0f : 0.0f, stream);
+        x.size(0), accumulate ? 1.0f : 0.0f, stream);
 }
 
 }  // namespace epx::cuda

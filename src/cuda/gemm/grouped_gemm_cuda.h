@@ -94,9 +94,14 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups);
 /// |cooperative|pingpong|cluster|nosource|pingpong_nosource, read once. cluster = cooperative 2x1
 /// clusters for bf16 gradients, ping-pong for fp32; nosource and pingpong_nosource =
 /// grouped_wgrad_bf16_out_nosource / _pingpong_nosource for overwritten bf16 gradients, cooperative
-/// otherwise. auto: pingpong_nosource for overwritten bf16 gradients (on an H200, timed interleaved at
-/// the sustained clock, 6-9% faster than nosource at 128 groups x 256 rows), ping-pong for fp32
-/// gradients and for accumulating ones.
+/// otherwise. auto, for overwritten bf16 gradients: pingpong_nosource where the operands hold at least
+/// kPingpongWgradMinRowsPerGroup rows a group (a contraction of 256 rows or more: on an H200, timed
+/// interleaved at the sustained clock, 6-9% faster than nosource at 128 groups x 256 rows), nosource
+/// below (at 128 rows a group, the one-GPU DeepSeek-V3 layer, nosource's wgrad took 5% less time);
+/// ping-pong for fp32 gradients and for accumulating ones. The rows are the capacity, which the
+/// layer sizes for the worst case (every token to this rank), so a layer on R ranks counts R times
+/// its average rows.
+inline constexpr int64_t kPingpongWgradMinRowsPerGroup = 192;
 enum class WgradSchedule { kAuto, kCooperative, kPingpong, kCluster, kNoSource, kPingpongNoSource };
 WgradSchedule wgrad_schedule();
 
