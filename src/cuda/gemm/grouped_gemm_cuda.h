@@ -95,9 +95,9 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups);
 /// clusters for bf16 gradients, ping-pong for fp32; nosource and pingpong_nosource =
 /// grouped_wgrad_bf16_out_nosource / _pingpong_nosource for overwritten bf16 gradients, cooperative
 /// otherwise. auto, for overwritten bf16 gradients: pingpong_nosource where the operands hold at least
-/// kPingpongWgradMinRowsPerGroup rows a group (a contraction of 256 rows or more: on an H200, timed
-/// interleaved at the sustained clock, 6-9% faster than nosource at 128 groups x 256 rows), nosource
-/// below (at 128 rows a group, the one-GPU DeepSeek-V3 layer, nosource's wgrad took 5% less time);
+/// kPingpongWgradMinRowsPerGroup rows a group (on an H200, timed interleaved at the sustained clock,
+/// 1.13x nosource at 128 groups x 256 rows, 1.11x at 32 x 1024), nosource below (at 256 groups x
+/// 128 rows, the one-GPU DeepSeek-V3 layer, nosource is 1.1x the ping-pong kernel);
 /// ping-pong for fp32 gradients and for accumulating ones. The rows are the capacity, which the
 /// layer sizes for the worst case (every token to this rank), so a layer on R ranks counts R times
 /// its average rows.

@@ -71,9 +71,9 @@ struct CooperativeNoSource {
 // its tile while the other computes, the shared memory C's stages held goes to the mainloop, and B
 // is read from L2 once per pair. For wgrad with overwritten bf16 gradients, whose M is the hidden or
 // FFN size (always whole tile pairs at real shapes). On an H200, timed interleaved at the sustained
-// clock (bench_grouped_gemm --wgrad fc1|fc2|32x1024 trials, two runs): 5-8% faster than
-// CooperativeNoSource at DeepSeek-V3's shapes (128 groups x 256 rows), and the 2x1 cluster 1-2%
-// faster than none there, 8% at 32 groups x 1024 rows.
+// clock (bench_grouped_gemm --wgrad CASE trials): 1.13x CooperativeNoSource at DeepSeek-V3's shapes
+// with 256 rows a group and 1.11x at 32 groups x 1024 rows (the 2x1 cluster gives 1-2% and 8% of
+// that), 0.9x at 128 rows a group, where wgrad_schedule() keeps CooperativeNoSource.
 struct PingpongNoSource {
   using TileShape = cute::Shape<_128, _128, _64>;
   using ClusterShape = cute::Shape<_2, _1, _1>;
