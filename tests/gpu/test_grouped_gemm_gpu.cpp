@@ -103,6 +103,72 @@ TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(dwh.item(i), 0.0) << "empty expert's gradient must be zero";
 }
 
+// Sets an environment variable for one scope (null: unsets it) and restores the caller's value.
+class ScopedEnvVar {
+ public:
+  ScopedEnvVar(const char* name, const char* value) : name_(name) {
+    const char* before = std::getenv(name);
+    had_ = before != nullptr;
+    if (had_) saved_ = before;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+  }
+  ~ScopedEnvVar() {
+    if (had_) setenv(name_, saved_.c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::string saved_;
+  bool had_ = false;
+};
+
+// The persistent scheduler's tile order (EPX_GEMM_RASTER, EPX_GEMM_SWIZZLE) changes which CTA runs
+// which tile, never a tile's sums: the forward and the bf16 wgrad are bit-identical under every
+// order, and a value outside the documented ones is an error that names the variable.
+TEST(GroupedGemmGpu, TileOrdersGiveIdenticalResultsAndBadOrdersAreNamed) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 256, N = 640;  // several tiles along both M and N
+  const Layout L = make_layout({300, 0, 1, 260, 129, 517}, 16);
+  const int G = static_cast<int>(L.rows.size(0));
+  Tensor x = to_gpu(randn({L.total, K}, DType::kBF16, 31)), w = to_gpu(randn({G, K, N}, DType::kBF16, 32, 0.1));
+  Tensor dy = to_gpu(randn({L.total, N}, DType::kBF16, 33));
+  Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+  auto run = [&](Tensor& y, Tensor& dw) {
+    grouped_gemm_forward(x, w, off, rows, y);
+    grouped_gemm_wgrad(x, dy, off, rows, dw);
+  };
+  Tensor y0 = to_gpu(Tensor::zeros({L.total, N}, DType::kBF16)), dw0 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
+  {
+    const ScopedEnvVar r("EPX_GEMM_RASTER", nullptr), z("EPX_GEMM_SWIZZLE", nullptr);
+    run(y0, dw0);
+  }
+  const std::pair<const char*, const char*> orders[] = {{"n", "1"}, {"m", "4"}, {"n", "8"}, {"m", "2"}};
+  for (const auto& [raster, swizzle] : orders) {
+    const ScopedEnvVar r("EPX_GEMM_RASTER", raster), z("EPX_GEMM_SWIZZLE", swizzle);
+    Tensor y = to_gpu(Tensor::full({L.total, N}, DType::kBF16, 7.0));
+    Tensor dw = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
+    run(y, dw);
+    EXPECT_TRUE(testing::bit_equal(y, y0)) << "forward, raster " << raster << ", swizzle " << swizzle;
+    EXPECT_TRUE(testing::bit_equal(dw, dw0)) << "wgrad, raster " << raster << ", swizzle " << swizzle;
+  }
+  Tensor y = to_gpu(Tensor::zeros({L.total, N}, DType::kBF16));
+  const std::pair<const char*, const char*> bad[] = {{"EPX_GEMM_RASTER", "diagonal"}, {"EPX_GEMM_SWIZZLE", "3"}};
+  for (const auto& [name, value] : bad) {
+    const ScopedEnvVar v(name, value);
+    try {
+      grouped_gemm_forward(x, w, off, rows, y);
+      ADD_FAILURE() << name << "=" << value << " was accepted";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(name), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::string("\"") + value + "\""), std::string::npos) << msg;
+      EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
+    }
+  }
+}
+
 // Both wgrad schedules, fp32 and bf16 out: each matches the reference, the schedules agree bit for
 // bit (same k order inside a tile), bf16 out is the fp32 result rounded once, empty groups are zero.
 TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
