@@ -33,8 +33,9 @@ struct Pingpong {
   static constexpr int kCacheId = 101;
 };
 // Cooperative tiles in clusters of two that share one operand's tiles through TMA multicast (B along
-// M, A along N): the 128x128x128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, twice the bf16
-// kernel's bytes per FLOP.
+// M, A along N), since the 128x128x128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, twice the bf16
+// kernel's bytes per FLOP. Trials only: on an H200 at its power cap both were within 3% of
+// Cooperative, and 2x1 1.6x slower at decode (bench/NOTES.md).
 template <int kM, int kN, int kId>
 struct CooperativeCluster : Cooperative {
   using ClusterShape = cute::Shape<cute::Int<kM>, cute::Int<kN>, _1>;
@@ -109,8 +110,7 @@ __global__ void fp8_setup_kernel(Fp8Arrays<K_> arr, const uint8_t* a, const floa
 // The launch of one schedule (the arguments as grouped_forward_fp8_blockwise's).
 template <class Schedule>
 void forward(const void* a, const float* a_scales, const void* bt, const float* b_scales, void* out, int64_t ld_out,
-             int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream,
-             grouped::TileOrder order = {}) {
+             int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream) {
   using K_ = Fp8Kernel<Schedule>;
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
@@ -143,7 +143,7 @@ void forward(const void* a, const float* a_scales, const void* bt, const float* 
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   grouped::launch<typename K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N,
-                                     "both must be multiples of 128", order);
+                                     "both must be multiples of 128");
 }
 
 }  // namespace epx::cuda::grouped_fp8

@@ -93,7 +93,8 @@ struct CooperativeCluster2x1 {
 };
 // The same in pairs along N sharing their A tile: a group's M tiles need not come in pairs (a group
 // with an odd tile count leaves half a 2x1 cluster idle on its last tile), its N tiles always do
-// when N is a multiple of 512.
+// when N is a multiple of 512. Trials only: for the forward and dgrad both cluster shapes were within
+// 3% of Cooperative on an H200 at its power cap (bench/NOTES.md).
 struct CooperativeCluster1x2 {
   using TileShape = cute::Shape<_128, _256, _64>;
   using ClusterShape = cute::Shape<_1, _2, _1>;
@@ -278,9 +279,11 @@ struct TileOrder {
   int swizzle = 1;
 };
 
-// EPX_GEMM_RASTER=m|n and EPX_GEMM_SWIZZLE=1|2|4|8 override a kernel's order (read at each call, so
-// a benchmark can compare them in one process).
-inline TileOrder tile_order(TileOrder order) {
+// CUTLASS's order (along M, no swizzle) unless EPX_GEMM_RASTER=m|n or EPX_GEMM_SWIZZLE=1|2|4|8 say
+// otherwise (read at each call, so a benchmark can compare them in one process; none was faster in
+// bench_grouped_gemm's trials, bench/NOTES.md).
+inline TileOrder tile_order() {
+  TileOrder order;
   if (const char* v = std::getenv("EPX_GEMM_RASTER"); v != nullptr && *v != '\0') {
     require(std::strcmp(v, "m") == 0 || std::strcmp(v, "n") == 0, "epx::grouped_gemm", "EPX_GEMM_RASTER is \"", v,
             "\", expected m or n");
@@ -296,9 +299,9 @@ inline TileOrder tile_order(TileOrder order) {
 }
 
 template <class Arguments>
-void set_tile_order(Arguments& args, TileOrder order) {
+void set_tile_order(Arguments& args) {
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  order = tile_order(order);
+  const TileOrder order = tile_order();
   args.scheduler.raster_order = order.along_n ? Raster::AlongN : Raster::AlongM;
   args.scheduler.max_swizzle_size = order.swizzle;
 }
@@ -314,8 +317,8 @@ inline cutlass::KernelHardwareInfo hardware_info() {
 // op in errors; Kd, N and `rule` say which shapes it was given and what they must satisfy.
 template <class Gemm>
 void launch(typename Gemm::Arguments args, Cache& c, cudaStream_t s, const char* fn, int64_t Kd, int64_t N,
-            const char* rule, TileOrder order = {}) {
-  set_tile_order(args, order);
+            const char* rule) {
+  set_tile_order(args);
   Gemm gemm;
   require_status(gemm.can_implement(args) == cutlass::Status::kSuccess, Status::kNotSupported, fn,
                  "CUTLASS cannot run this grouped problem (K = ", Kd, ", N = ", N, "; ", rule, ")");
@@ -329,7 +332,7 @@ void launch(typename Gemm::Arguments args, Cache& c, cudaStream_t s, const char*
 template <class K, class Out>
 void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
          int64_t out_group_stride, int64_t Kd, int64_t N, float beta, const int32_t* offsets, const int32_t* rows,
-         int groups, Stream stream, TileOrder order = {}) {
+         int groups, Stream stream) {
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
   Cache& c = cache_for(kernel_id);
@@ -363,8 +366,7 @@ void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
     args.epilogue.ptr_C = reinterpret_cast<const ElementOut**>(arr.c);
     args.epilogue.thread.beta = beta;
   }
-  launch<typename K::Gemm>(args, c, s, "epx::grouped_gemm", Kd, N, "rows and columns must be multiples of 8 elements",
-                           order);
+  launch<typename K::Gemm>(args, c, s, "epx::grouped_gemm", Kd, N, "rows and columns must be multiples of 8 elements");
 }
 
 }  // namespace epx::cuda::grouped
