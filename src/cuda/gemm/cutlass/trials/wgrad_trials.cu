@@ -17,6 +17,8 @@ EPX_DECLARE_TRIAL(wgrad_trial_pingpong_epi64x32_noc_f32)
 EPX_DECLARE_TRIAL(wgrad_trial_pingpong_epi64x64_noc_c21)
 EPX_DECLARE_TRIAL(wgrad_trial_pingpong_epi64x64_noc_c12)
 EPX_DECLARE_TRIAL(wgrad_trial_coop_epi128x128_noc_c12)
+EPX_DECLARE_TRIAL(wgrad_trial_pingpong_epi64x64_noc_c21_f32)
+EPX_DECLARE_TRIAL(wgrad_trial_coop_epi128x128_noc_c21_f32)
 #undef EPX_DECLARE_TRIAL
 
 const WgradTrial* wgrad_trials(int& count) {
@@ -33,6 +35,8 @@ const WgradTrial* wgrad_trials(int& count) {
       {"pingpong_epi64x64_noc_cluster2x1", false, wgrad_trial_pingpong_epi64x64_noc_c21},
       {"pingpong_epi64x64_noc_cluster1x2", false, wgrad_trial_pingpong_epi64x64_noc_c12},
       {"coop_epi128x128_noc_cluster1x2", false, wgrad_trial_coop_epi128x128_noc_c12},
+      {"pingpong_epi64x64_noc_cluster2x1", true, wgrad_trial_pingpong_epi64x64_noc_c21_f32},
+      {"coop_epi128x128_noc_cluster2x1", true, wgrad_trial_coop_epi128x128_noc_c21_f32},
   };
   count = static_cast<int>(sizeof(trials) / sizeof(trials[0]));
   return trials;
