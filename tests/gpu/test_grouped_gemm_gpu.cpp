@@ -135,23 +135,28 @@ TEST(GroupedGemmGpu, TileOrdersGiveIdenticalResultsAndBadOrdersAreNamed) {
   Tensor x = to_gpu(randn({L.total, K}, DType::kBF16, 31)), w = to_gpu(randn({G, K, N}, DType::kBF16, 32, 0.1));
   Tensor dy = to_gpu(randn({L.total, N}, DType::kBF16, 33));
   Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-  auto run = [&](Tensor& y, Tensor& dw) {
+  // ~205 rows a group of capacity: the wgrads run on the no-source ping-pong kernels (wgrad_schedule())
+  auto run = [&](Tensor& y, Tensor& dw16, Tensor& dw32) {
     grouped_gemm_forward(x, w, off, rows, y);
-    grouped_gemm_wgrad(x, dy, off, rows, dw);
+    grouped_gemm_wgrad(x, dy, off, rows, dw16);
+    grouped_gemm_wgrad(x, dy, off, rows, dw32);
   };
   Tensor y0 = to_gpu(Tensor::zeros({L.total, N}, DType::kBF16)), dw0 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
+  Tensor dw0_32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
   {
     const ScopedEnvVar r("EPX_GEMM_RASTER", nullptr), z("EPX_GEMM_SWIZZLE", nullptr);
-    run(y0, dw0);
+    run(y0, dw0, dw0_32);
   }
   const std::pair<const char*, const char*> orders[] = {{"n", "1"}, {"m", "4"}, {"n", "8"}, {"m", "2"}};
   for (const auto& [raster, swizzle] : orders) {
     const ScopedEnvVar r("EPX_GEMM_RASTER", raster), z("EPX_GEMM_SWIZZLE", swizzle);
     Tensor y = to_gpu(Tensor::full({L.total, N}, DType::kBF16, 7.0));
-    Tensor dw = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
-    run(y, dw);
+    Tensor dw = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
+    Tensor dw32 = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
+    run(y, dw, dw32);
     EXPECT_TRUE(testing::bit_equal(y, y0)) << "forward, raster " << raster << ", swizzle " << swizzle;
-    EXPECT_TRUE(testing::bit_equal(dw, dw0)) << "wgrad, raster " << raster << ", swizzle " << swizzle;
+    EXPECT_TRUE(testing::bit_equal(dw, dw0)) << "bf16 wgrad, raster " << raster << ", swizzle " << swizzle;
+    EXPECT_TRUE(testing::bit_equal(dw32, dw0_32)) << "fp32 wgrad, raster " << raster << ", swizzle " << swizzle;
   }
   Tensor y = to_gpu(Tensor::zeros({L.total, N}, DType::kBF16));
   const std::pair<const char*, const char*> bad[] = {{"EPX_GEMM_RASTER", "diagonal"}, {"EPX_GEMM_SWIZZLE", "3"}};
@@ -195,22 +200,30 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   cuda::grouped_wgrad_bf16_out_nosource(a, d, n16.data(), K * N, K, N, o, r, G, {});
   Tensor q16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
   cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, q16.data(), K * N, K, N, o, r, G, {});
+  Tensor q32 = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
+  cuda::grouped_wgrad_f32_pingpong_nosource(a, d, q32.ptr<float>(), K * N, K, N, o, r, G, {});
   EXPECT_LT(rel_err(c32, dw_ref), 1e-2);
   EXPECT_TRUE(testing::bit_equal(p32, c32)) << "ping-pong vs cooperative, fp32 out";
   EXPECT_TRUE(testing::bit_equal(p16, c16)) << "ping-pong vs cooperative, bf16 out";
   EXPECT_TRUE(testing::bit_equal(k16, c16)) << "2x1 clusters vs cooperative, bf16 out";
   // The no-source kernels skip empty groups like the others (their 7s stay; the layer zeroes them
   // first) and write every other element, identical to the cooperative result.
-  const Tensor ch = to_host(c16);
-  for (const auto& [what, got] : {std::pair<const char*, const Tensor*>{"no-source cooperative", &n16},
-                                  {"no-source ping-pong", &q16}}) {
-    const Tensor h = to_host(*got);
+  const Tensor ch16 = to_host(c16), ch32 = to_host(c32);
+  struct NoSource {
+    const char* what;
+    const Tensor* got;
+    const Tensor* want;
+  };
+  for (const NoSource& v : {NoSource{"no-source cooperative, bf16 out", &n16, &ch16},
+                            NoSource{"no-source ping-pong, bf16 out", &q16, &ch16},
+                            NoSource{"no-source ping-pong, fp32 out", &q32, &ch32}}) {
+    const Tensor h = to_host(*v.got);
     int64_t differ = 0;
     for (int64_t i = 0; i < h.numel(); ++i) {
       const bool empty_group = L.rows.ptr<int32_t>()[i / (K * N)] == 0;
-      differ += empty_group ? h.item(i) != 7.0 : h.item(i) != ch.item(i);
+      differ += empty_group ? h.item(i) != 7.0 : h.item(i) != v.want->item(i);
     }
-    EXPECT_EQ(differ, 0) << what << " vs cooperative, bf16 out";
+    EXPECT_EQ(differ, 0) << v.what << " vs cooperative";
   }
   Tensor h32 = to_host(c32), h16 = to_host(c16), rounded = Tensor::empty({G, K, N}, DType::kBF16);
   for (int64_t i = 0; i < h32.numel(); ++i) store_from_double(rounded.data(), DType::kBF16, i, h32.item(i));

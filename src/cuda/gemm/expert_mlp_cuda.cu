@@ -209,10 +209,14 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
            int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int G, int64_t row_capacity, float beta,
            Stream stream) {
   WgradSchedule sched = wgrad_schedule();
+  const bool large_groups = row_capacity >= kPingpongWgradMinRowsPerGroup * int64_t{G};
   if (dw.dtype() == DType::kF32) {
     float* out = dw.ptr<float>() + elem_offset;
-    if (sched == WgradSchedule::kCooperative || sched == WgradSchedule::kNoSource ||
-        sched == WgradSchedule::kPingpongNoSource)
+    if (sched == WgradSchedule::kAuto)
+      sched = beta == 0.0f && large_groups ? WgradSchedule::kPingpongNoSource : WgradSchedule::kPingpong;
+    if (sched == WgradSchedule::kPingpongNoSource && beta == 0.0f)
+      grouped_wgrad_f32_pingpong_nosource(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+    else if (sched == WgradSchedule::kCooperative || sched == WgradSchedule::kNoSource)
       grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
     else
       grouped_wgrad_bf16_pingpong(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
@@ -220,9 +224,9 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
   if (sched == WgradSchedule::kAuto)
-    sched = beta != 0.0f                                               ? WgradSchedule::kPingpong
-            : row_capacity >= kPingpongWgradMinRowsPerGroup * int64_t{G} ? WgradSchedule::kPingpongNoSource
-                                                                       : WgradSchedule::kNoSource;
+    sched = beta != 0.0f     ? WgradSchedule::kPingpong
+            : large_groups ? WgradSchedule::kPingpongNoSource
+                           : WgradSchedule::kNoSource;
   const bool no_source = sched == WgradSchedule::kNoSource || sched == WgradSchedule::kPingpongNoSource;
   if (no_source && beta != 0.0f) sched = WgradSchedule::kCooperative;  // they cannot add
   switch (sched) {

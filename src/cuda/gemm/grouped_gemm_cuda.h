@@ -59,6 +59,12 @@ void grouped_wgrad_bf16_out_pingpong_nosource(GroupedOperand a, GroupedOperand d
                                               int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows,
                                               int groups, Stream stream);
 
+/// fp32 out, overwriting only, on the same kernel (the default for overwritten fp32 gradients where
+/// groups are large enough: wgrad_schedule()).
+void grouped_wgrad_f32_pingpong_nosource(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride,
+                                         int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                         Stream stream);
+
 /// bf16 out on 2x1 clusters sharing B by multicast (cooperative tiles).
 void grouped_wgrad_bf16_out_cluster(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
                                     int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
@@ -92,15 +98,16 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups);
 
 /// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=auto (the default)
 /// |cooperative|pingpong|cluster|nosource|pingpong_nosource, read once. cluster = cooperative 2x1
-/// clusters for bf16 gradients, ping-pong for fp32; nosource and pingpong_nosource =
-/// grouped_wgrad_bf16_out_nosource / _pingpong_nosource for overwritten bf16 gradients, cooperative
-/// otherwise. auto, for overwritten bf16 gradients: pingpong_nosource where the operands hold at least
-/// kPingpongWgradMinRowsPerGroup rows a group (on an H200, timed interleaved at the sustained clock,
-/// 1.13x nosource at 128 groups x 256 rows, 1.11x at 32 x 1024), nosource below (at 256 groups x
-/// 128 rows, the one-GPU DeepSeek-V3 layer, nosource is 1.1x the ping-pong kernel);
-/// ping-pong for fp32 gradients and for accumulating ones. The rows are the capacity, which the
-/// layer sizes for the worst case (every token to this rank), so a layer on R ranks counts R times
-/// its average rows.
+/// clusters for bf16 gradients, ping-pong for fp32; nosource = grouped_wgrad_bf16_out_nosource for
+/// overwritten bf16 gradients, cooperative otherwise; pingpong_nosource = the no-source ping-pong
+/// kernels for overwritten gradients, ping-pong for accumulating ones. auto: for overwritten
+/// gradients where the operands hold at least kPingpongWgradMinRowsPerGroup rows a group, the
+/// no-source ping-pong kernels (on an H200, timed interleaved at the sustained clock, at 128 groups x
+/// 256 rows: bf16 1.13x nosource, fp32 1.10x ping-pong; at 32 x 1024: 1.11x / 1.01x); below that,
+/// nosource for bf16 (at 256 groups x 128 rows, the one-GPU DeepSeek-V3 layer, 1.1x the ping-pong
+/// kernel) and ping-pong for fp32; ping-pong for accumulating gradients. The rows are the capacity,
+/// which the layer sizes for the worst case (every token to this rank), so a layer on R ranks counts
+/// R times its average rows.
 inline constexpr int64_t kPingpongWgradMinRowsPerGroup = 192;
 enum class WgradSchedule { kAuto, kCooperative, kPingpong, kCluster, kNoSource, kPingpongNoSource };
 WgradSchedule wgrad_schedule();

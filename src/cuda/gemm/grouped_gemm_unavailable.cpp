@@ -46,6 +46,10 @@ void grouped_wgrad_bf16_out_pingpong_nosource(GroupedOperand, GroupedOperand, vo
                                               const int32_t*, const int32_t*, int, Stream) {
   unavailable();
 }
+void grouped_wgrad_f32_pingpong_nosource(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t,
+                                         const int32_t*, const int32_t*, int, Stream) {
+  unavailable();
+}
 void grouped_wgrad_bf16_out_cluster(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
                                     const int32_t*, int, Stream, float) {
   unavailable();
