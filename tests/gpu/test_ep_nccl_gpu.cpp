@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/host_barrier.h"
+#include "core/scoped_env.h"
 #include "core/window_layout.h"
 #include "gpu/ep_compare.h"
 #include "common/ep_procedures.h"
@@ -361,10 +362,8 @@ TEST(EpNcclGpuTransports, StagedExactSizesMatchFixedSizes) {
 TEST(EpNcclGpuTransports, AutoFollowsEnvironmentThenTopology) {
   EPX_REQUIRE_GPUS(2);
   EpCase c = base_case();
-  const char* old = std::getenv("EPX_TRANSPORT");
-  const std::string saved = old ? old : "";
-  setenv("EPX_TRANSPORT", "staged", 1);
   {
+    const detail::ScopedEnv transport("EPX_TRANSPORT", "staged");
     auto groups = Group::create_all_local(c.group_config());
     EXPECT_EQ(groups[0].transport(), Transport::kStaged) << "EPX_TRANSPORT=staged with config.transport = auto";
     GroupConfig explicit_zc = c.group_config();
@@ -372,14 +371,13 @@ TEST(EpNcclGpuTransports, AutoFollowsEnvironmentThenTopology) {
     auto zc = Group::create_all_local(explicit_zc);
     EXPECT_EQ(zc[0].transport(), Transport::kZeroCopy) << "config.transport names the transport: it wins";
   }
-  unsetenv("EPX_TRANSPORT");
   {
+    const detail::ScopedEnv transport("EPX_TRANSPORT", nullptr);
     auto groups = Group::create_all_local(c.group_config());
     EXPECT_EQ(groups[0].transport(), Transport::kZeroCopy)
         << "auto on GPUs that reach each other by load/store (if this machine's GPUs are not one LSA team, "
            "staged is right and this expectation is the thing to revisit)";
   }
-  if (old) setenv("EPX_TRANSPORT", saved.c_str(), 1);
 }
 
 TEST(EpNcclGpuTransports, ZeroCopyMissingRankTimesOutWithItsName) {

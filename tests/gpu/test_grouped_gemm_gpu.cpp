@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/scoped_env.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/comm.h"
 #include "epx/error.h"
@@ -103,27 +104,6 @@ TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(dwh.item(i), 0.0) << "empty expert's gradient must be zero";
 }
 
-// Sets an environment variable for one scope (null: unsets it) and restores the caller's value.
-class ScopedEnvVar {
- public:
-  ScopedEnvVar(const char* name, const char* value) : name_(name) {
-    const char* before = std::getenv(name);
-    had_ = before != nullptr;
-    if (had_) saved_ = before;
-    if (value) setenv(name, value, 1);
-    else unsetenv(name);
-  }
-  ~ScopedEnvVar() {
-    if (had_) setenv(name_, saved_.c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::string saved_;
-  bool had_ = false;
-};
-
 // The persistent scheduler's tile order (EPX_GEMM_RASTER, EPX_GEMM_SWIZZLE) changes which CTA runs
 // which tile, never a tile's sums: the forward and the bf16 wgrad are bit-identical under every
 // order, and a value outside the documented ones is an error that names the variable.
@@ -144,12 +124,12 @@ TEST(GroupedGemmGpu, TileOrdersGiveIdenticalResultsAndBadOrdersAreNamed) {
   Tensor y0 = to_gpu(Tensor::zeros({L.total, N}, DType::kBF16)), dw0 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
   Tensor dw0_32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
   {
-    const ScopedEnvVar r("EPX_GEMM_RASTER", nullptr), z("EPX_GEMM_SWIZZLE", nullptr);
+    const detail::ScopedEnv r("EPX_GEMM_RASTER", nullptr), z("EPX_GEMM_SWIZZLE", nullptr);
     run(y0, dw0, dw0_32);
   }
   const std::pair<const char*, const char*> orders[] = {{"n", "1"}, {"m", "4"}, {"n", "8"}, {"m", "2"}};
   for (const auto& [raster, swizzle] : orders) {
-    const ScopedEnvVar r("EPX_GEMM_RASTER", raster), z("EPX_GEMM_SWIZZLE", swizzle);
+    const detail::ScopedEnv r("EPX_GEMM_RASTER", raster), z("EPX_GEMM_SWIZZLE", swizzle);
     Tensor y = to_gpu(Tensor::full({L.total, N}, DType::kBF16, 7.0));
     Tensor dw = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
     Tensor dw32 = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
@@ -161,7 +141,7 @@ TEST(GroupedGemmGpu, TileOrdersGiveIdenticalResultsAndBadOrdersAreNamed) {
   Tensor y = to_gpu(Tensor::zeros({L.total, N}, DType::kBF16));
   const std::pair<const char*, const char*> bad[] = {{"EPX_GEMM_RASTER", "diagonal"}, {"EPX_GEMM_SWIZZLE", "3"}};
   for (const auto& [name, value] : bad) {
-    const ScopedEnvVar v(name, value);
+    const detail::ScopedEnv v(name, value);
     try {
       grouped_gemm_forward(x, w, off, rows, y);
       ADD_FAILURE() << name << "=" << value << " was accepted";
@@ -304,10 +284,11 @@ TEST(GroupedGemmGpu, Fp8BlockwiseForwardMatchesReference) {
     EXPECT_TRUE(testing::bit_equal(gw_s, w_s)) << "weight block scales";
     for (const char* schedule : {"cooperative", "pingpong"}) {  // EPX_FP8_GEMM_KERNEL is read at every call
       SCOPED_TRACE(schedule);
-      setenv("EPX_FP8_GEMM_KERNEL", schedule, 1);
       Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
-      grouped_gemm_forward_fp8(to_gpu(x_q), to_gpu(x_s), gw_q, gw_s, to_gpu(L.offsets), to_gpu(L.rows), y);
-      unsetenv("EPX_FP8_GEMM_KERNEL");
+      {
+        const detail::ScopedEnv kernel("EPX_FP8_GEMM_KERNEL", schedule);
+        grouped_gemm_forward_fp8(to_gpu(x_q), to_gpu(x_s), gw_q, gw_s, to_gpu(L.offsets), to_gpu(L.rows), y);
+      }
       Tensor yh = to_host(y);
       for (int g = 0; g < G; ++g)  // row by row, so the small rows beside the scaled-up ones are checked too
         for (int64_t r = L.offsets.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; ++r)
