@@ -14,11 +14,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "core/scoped_env.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
@@ -47,31 +49,6 @@ struct LayoutD {
   int64_t total = 0;
 };
 
-// Sets an environment variable for its lifetime (null: leaves it alone), then restores the caller's value.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (value == nullptr) return;
-    const char* before = std::getenv(name);
-    had_ = before != nullptr;
-    if (had_) saved_ = before;
-    setenv(name, value, 1);
-    set_ = true;
-  }
-  ~ScopedEnv() {
-    if (!set_) return;
-    if (had_) setenv(name_, saved_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::string saved_;
-  bool had_ = false, set_ = false;
-};
-
 // The tile orders of the persistent scheduler (EPX_GEMM_RASTER, EPX_GEMM_SWIZZLE) a trials build times
 // the kernels under; null: each kernel's own.
 struct TileOrderSetting {
@@ -84,10 +61,14 @@ const std::vector<TileOrderSetting> kTileOrders = {{"m", "1"}, {"n", "1"}, {"m",
 const std::vector<TileOrderSetting> kTileOrders = {{nullptr, nullptr}};
 #endif
 
+// A null setting leaves the environment alone: each kernel's own order, or the caller's override.
 struct ScopedTileOrder {
-  explicit ScopedTileOrder(const TileOrderSetting& o)
-      : raster("EPX_GEMM_RASTER", o.raster), swizzle("EPX_GEMM_SWIZZLE", o.swizzle) {}
-  ScopedEnv raster, swizzle;
+  explicit ScopedTileOrder(const TileOrderSetting& o) {
+    if (o.raster == nullptr) return;
+    raster.emplace("EPX_GEMM_RASTER", o.raster);
+    swizzle.emplace("EPX_GEMM_SWIZZLE", o.swizzle);
+  }
+  std::optional<detail::ScopedEnv> raster, swizzle;
 };
 
 JsonLine& add_tile_order(JsonLine& j, const TileOrderSetting& o) {
@@ -157,7 +138,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
     for (const char* schedule : schedules) {
       try {  // one schedule failing must not hide the other lines
         const ScopedTileOrder scoped_order(order);
-        const ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+        const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
         grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
         EPX_CUDA_CHECK(cudaDeviceSynchronize());
       } catch (const Error& e) {
@@ -169,7 +150,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
       entries.push_back({schedule, order});
       fns.push_back([&, schedule, order] {
         const ScopedTileOrder scoped_order(order);
-        const ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+        const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
         grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
       });
     }
@@ -219,20 +200,20 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
   }
   // The shipped kernel and the candidates under every tile order, interleaved (time_interleaved).
   struct Entry {
-    const char* schedule;
+    int trial;  // -1: the shipped kernel
     TileOrderSetting order;
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns;
   for (const TileOrderSetting& order : kTileOrders) {
-    entries.push_back({"shipped", order});
+    entries.push_back({-1, order});
     fns.push_back([&, order] {
       const ScopedTileOrder scoped_order(order);
       shipped(want.data());
     });
     for (int i = 0; i < count; ++i) {
       if (trials[i].dgrad != dgrad) continue;
-      entries.push_back({trials[i].name, order});
+      entries.push_back({i, order});
       fns.push_back([&, order, fn = trials[i].run] {
         const ScopedTileOrder scoped_order(order);
         fn(a, b, got.data(), ld_out, Kc, Nout, off, rows, G, {});
@@ -241,12 +222,11 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
   }
   const std::vector<double> t = bench::time_interleaved(fns);
   for (size_t e = 0; e < entries.size(); ++e) {
+    const int trial = entries[e].trial;
     JsonLine j;
-    j.add("impl", "epx").add("op", op).add("case", name).add("schedule", entries[e].schedule).add("time_us", t[e])
-        .add("tflops", flops / t[e] * 1e-6).add("shipped_over_trial_time", t[0] / t[e]);
-    for (int i = 0; i < count; ++i)
-      if (trials[i].dgrad == dgrad && std::strcmp(trials[i].name, entries[e].schedule) == 0)
-        j.add("elements_differing_from_shipped", differ[i]);
+    j.add("impl", "epx").add("op", op).add("case", name).add("schedule", trial < 0 ? "shipped" : trials[trial].name)
+        .add("time_us", t[e]).add("tflops", flops / t[e] * 1e-6).add("shipped_over_trial_time", t[0] / t[e]);
+    if (trial >= 0) j.add("elements_differing_from_shipped", differ[trial]);
     add_tile_order(j, entries[e].order).print();
   }
 }

@@ -55,16 +55,16 @@ inline std::vector<double> time_interleaved(const std::vector<std::function<void
   cudaEvent_t a, b;
   EPX_CUDA_CHECK(cudaEventCreate(&a));
   EPX_CUDA_CHECK(cudaEventCreate(&b));
-  float warm_ms = 0;
-  while (warm_ms < 300.0f) {
+  auto calls_ms = [&](const std::function<void()>& fn, int calls) {  // `calls` back-to-back calls, in ms
     EPX_CUDA_CHECK(cudaEventRecord(a));
-    for (int i = 0; i < 10; ++i) fns[0]();
+    for (int i = 0; i < calls; ++i) fn();
     EPX_CUDA_CHECK(cudaEventRecord(b));
     EPX_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    warm_ms += std::max(ms, 0.01f);
-  }
+    return ms;
+  };
+  for (float warm_ms = 0; warm_ms < 300.0f;) warm_ms += std::max(calls_ms(fns[0], 10), 0.01f);
   std::vector<std::vector<double>> t(fns.size());
   std::vector<size_t> order(fns.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -73,13 +73,7 @@ inline std::vector<double> time_interleaved(const std::vector<std::function<void
     std::shuffle(order.begin(), order.end(), rng);
     for (size_t v : order) {
       fns[v]();  // one untimed call: the variant's own setup (cached arrays) out of the timing
-      EPX_CUDA_CHECK(cudaEventRecord(a));
-      for (int i = 0; i < iters; ++i) fns[v]();
-      EPX_CUDA_CHECK(cudaEventRecord(b));
-      EPX_CUDA_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      t[v].push_back(1e3 * ms / iters);
+      t[v].push_back(1e3 * calls_ms(fns[v], iters) / iters);
     }
   }
   EPX_CUDA_CHECK(cudaGetLastError());
