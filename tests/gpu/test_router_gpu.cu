@@ -292,6 +292,16 @@ std::vector<Case> forward_cases() {
   return v;
 }
 
+// Puts back the router kernel that was in use when a test that forces kernels in turn ends, also
+// when an assertion ends it early.
+class RouterKernelRestorer {
+ public:
+  ~RouterKernelRestorer() { cuda::set_router_kernel(saved_); }
+
+ private:
+  const cuda::RouterKernel saved_ = cuda::router_kernel_in_use();
+};
+
 // ---- route_forward ------------------------------------------------------------------------------
 
 TEST(RouterGpuForward, MatchesReferenceOnRandomRows) {
@@ -317,6 +327,7 @@ TEST(RouterGpuForward, MatchesReferenceOnRandomRows) {
 // than K, and biases of +-inf and NaN.
 TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
   EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
   using SF = ScoreFunction;
   std::vector<Case> cases = {
       {make_config(64, 8, SF::kSoftmax), DType::kF32, DType::kI32},
@@ -374,7 +385,6 @@ TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
         expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
                              what + " kernel " + cuda::router_kernel_name(kern));
     }
-    cuda::set_router_kernel(cuda::RouterKernel::kAuto);
   }
 }
 
@@ -511,6 +521,7 @@ std::vector<double> mixed_rows(const RouterConfig& c, int64_t T, DType dt, uint6
 
 TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
   EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
   std::vector<Case> cases = forward_cases();
   using SF = ScoreFunction;
   cases.push_back({make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32});
@@ -564,13 +575,13 @@ TEST(RouterGpuForward, FastKernelsMatchLegacyBitForBit) {
             << w << ": scalars[0] got " << fs[0] << ", legacy " << ls[0];
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // The statistics of the fast kernels (wide, two and one tokens per warp) at the benchmark shape, run
 // to run: their shared reduction is fixed point, so the order in which chunks finish cannot matter.
 TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
   EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
   for (cuda::RouterKernel kern :
        {cuda::RouterKernel::kWide, cuda::RouterKernel::kFast, cuda::RouterKernel::kFastOneTokenPerWarp}) {
     cuda::set_router_kernel(kern);
@@ -600,7 +611,6 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
       expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
                            "lean run " + std::to_string(run + 1));
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // The wide kernel (the default where it applies) and the one-token-per-warp kernel against the
@@ -608,6 +618,7 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
 // (one chunk per block over two waves of token pairs) and a T that leaves half-warps idle.
 TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
   EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
   using SF = ScoreFunction;
   const std::vector<Case> cases = {
       {make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32},
@@ -630,7 +641,6 @@ TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
                              describe(c, k.dt, k.idx_dt, T) + " kernel " + cuda::router_kernel_name(kern));
       }
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // The lean kernel, forced, against the reference on its shapes: fp32 logits, E in {128, 256, 512},
@@ -639,6 +649,7 @@ TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
 // so the fast path decides most of them and the exact fallback the rest.
 TEST(RouterGpuForward, LeanKernelMatchesReference) {
   EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
   using SF = ScoreFunction;
   std::vector<Case> cases = {
       {make_config(256, 8, SF::kSoftmax), DType::kF32, DType::kI32},
@@ -671,7 +682,6 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
         expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
                              describe(c, k.dt, k.idx_dt, T) + " kernel lean");
     }
-  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // One batch in which the lean kernel's two paths alternate token by token, so that a chunk's
@@ -681,6 +691,7 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
 // (the fallback's non-finite handling). Against the reference, and bit for bit run to run.
 TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
   EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
   using SF = ScoreFunction;
   for (const RouterConfig& c :
        {make_config(256, 8, SF::kSoftmax), make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f),
@@ -722,7 +733,6 @@ TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
       expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
                            what + " run " + std::to_string(run + 2));
   }
-  cuda::set_router_kernel(cuda::RouterKernel::kAuto);
 }
 
 // Without statistics tensors (no loss configured) only the routing is written.
