@@ -122,6 +122,9 @@ if has router; then
       timeout 300 ncu --clock-control none --set full --import-source no --kernel-name-base demangled -k "regex:$2" -c 1 \
         -f -o "$OUT/ncu_router_$1" "$BUILD/bin/bench_router" >"$OUT/ncu_router_$1.run.log" 2>&1 || summary "ncu $1: rc=$?"
       ncu -i "$OUT/ncu_router_$1.ncu-rep" --page details >"$OUT/ncu_router_$1.details.txt" 2>&1
+      # Where the warps wait: the stall reasons per issued instruction (the details page draws them only as a chart).
+      ncu -i "$OUT/ncu_router_$1.ncu-rep" --page raw 2>&1 | grep -E "warp_issue_stalled_.*per_warp_active|average_warps_issue_stalled_.*per_issue_active" |
+        sort -k3 -g -r | head -14 >>"$OUT/ncu_router_$1.details.txt"
       rm -f "$OUT/ncu_router_$1.ncu-rep"
     }
     # Demangled template arguments may read (int)8 or (bool)1: the patterns allow either spelling.
