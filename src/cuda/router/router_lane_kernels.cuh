@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1) route_forward_lane_kernel(const _
   __shared__ uint32_t s_keys[kLaneTiles][NS][32];  // the second warp's sorted keys, slot-major
   __shared__ float s_sum[kLaneTiles][2][32];       // each half's sum of u (softmax) or of sigmoids
   __shared__ float s_usum[kLaneTiles][2][32];      // sigmoid: each half's sum of u, for the range check
-  __shared__ float s_fac[kLaneTiles][32];          // statistics factor of a token's scores (0: skip it)
+  __shared__ __align__(16) float s_fac[kLaneTiles][32];  // statistics factor of a token's scores (0: skip it)
   __shared__ uint32_t s_slow[kLaneTiles];          // tokens for the exact code
   __shared__ float s_wlse[kWarps];
   __shared__ unsigned s_wcnt[kWarps];
@@ -140,9 +140,11 @@ __global__ void __launch_bounds__(kThreads, 1) route_forward_lane_kernel(const _
 
       // Pass over this half's chunks: exponentials, the sums, the scores written back over the
       // logits (softmax: u, sigmoid: u / (1 + u)), and, unless they wait for the sum, the keys.
-      uint32_t keys[NS];
+      // Two sorted lists, elements 0-1 and 2-3 of each quad, so that two insertion chains run side
+      // by side (one chain left the warps waiting on their own results); merged before the hand-over.
+      uint32_t keys[NS], keys2[NS];
 #pragma unroll
-      for (int r = 0; r < NS; ++r) keys[r] = 0u;
+      for (int r = 0; r < NS; ++r) keys[r] = keys2[r] = 0u;
       float sa = 0.0f, sb = 0.0f, ua = 0.0f, ub = 0.0f;
       if (rows > 0) {
 #pragma unroll
@@ -186,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) route_forward_lane_kernel(const _
                 const uint32_t kb = kBias ? order_key2(sel) : __float_as_uint(sel);
                 uint32_t comp;
                 asm("prmt.b32 %0, %1, %2, %3;" : "=r"(comp) : "r"(kb), "r"(pack), "r"(0x3214 + i));
-                lean_insert<NS>(keys, comp);
+                lean_insert<NS>(i < 2 ? keys : keys2, comp);
               }
             }
             cp[j] = make_float4(v[0], v[1], v[2], v[3]);
@@ -216,11 +218,13 @@ __global__ void __launch_bounds__(kThreads, 1) route_forward_lane_kernel(const _
               uint32_t comp;
               asm("prmt.b32 %0, %1, %2, %3;" : "=r"(comp) : "r"(order_key2(__fadd_rn(u[i] * inv, b[i]))), "r"(pack),
                   "r"(0x3214 + i));
-              lean_insert<NS>(keys, comp);
+              lean_insert<NS>(i < 2 ? keys : keys2, comp);
             }
           }
         }
       }
+#pragma unroll
+      for (int r = 0; r < NS; ++r) lean_insert<NS>(keys, keys2[r]);
       if (half == 1) {
 #pragma unroll
         for (int r = 0; r < NS; ++r) s_keys[tile][r][lane] = keys[r];
@@ -273,18 +277,26 @@ __global__ void __launch_bounds__(kThreads, 1) route_forward_lane_kernel(const _
       }
       __syncthreads();
 
-      // Statistics: thread tid adds expert tid % E over its tiles, token by token.
+      // Statistics: thread tid adds expert tid % E over its tiles, four token streams (tt % 4) added
+      // in a fixed order at the end, so that the adds do not wait on each other.
       if (want_prob) {
         const int e = tid % E, tile0 = (tid / E) * kTilesPerRed;
+        float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
         for (int tl = tile0; tl < tile0 + kTilesPerRed; ++tl) {
           const float* col = s_tiles + tl * 32 * RS + e;
-#pragma unroll 8
-          for (int tt = 0; tt < 32; ++tt) {
-            const float f = s_fac[tl][tt];
-            if (f != 0.0f) acc = __fmaf_rn(col[tt * RS], f, acc);
+#pragma unroll
+          for (int t4 = 0; t4 < 8; ++t4) {
+            const float4 f4 = reinterpret_cast<const float4*>(&s_fac[tl][0])[t4];
+            const float f[4] = {f4.x, f4.y, f4.z, f4.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float v = col[(4 * t4 + i) * RS];
+              a4[i] = __fmaf_rn(f[i] != 0.0f ? v : 0.0f, f[i], a4[i]);  // a skipped row may hold inf or NaN
+            }
           }
         }
+        acc += (a4[0] + a4[1]) + (a4[2] + a4[3]);
       }
       // The round's doubtful rows through the exact code, by warp 0 in token order (their
       // statistics go straight to s_red's first row and to warp 0's leaves).
