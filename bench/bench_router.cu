@@ -13,8 +13,7 @@
 // route_forward is timed with each kernel, so one GPU run can choose on evidence (the default,
 // "auto", picks lean or wide from these lines): "wide" = two tokens per warp with fast exponentials,
 // where the shape allows, else fast1; "lean" = one token per warp, no max subtraction, fp32 logits
-// with E in {128, 256, 512} only; "lane" = one token per lane (lean's numerics; fp32, E in {128, 256},
-// K <= 8, no groups); "fast1" = the bit-exact fast kernel with one token per warp;
+// with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with one token per warp;
 // "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel.
 //
 // Prediction for "lean" (2026-11-24, before any GPU run; from SASS of the token loop, fast path):
@@ -272,19 +271,6 @@ int main() {
       k.stats = 2;
       k.target_us = 0;
       fwd.push_back(k);
-      // DeepSeek-V3's scores without its groups (sigmoid + bias + normalise + scale), which the
-      // lane kernel serves, and softmax top-8 over twice the tokens (every lane block two rounds).
-      Case flat = ds;
-      flat.name = "sigmoid_bias_top8";
-      flat.G = 1;
-      flat.gk = 1;
-      flat.target_us = 0;
-      fwd.push_back(flat);
-      Case big = softmax;
-      big.name = "softmax_top8_T32768";
-      big.T = 32768;
-      big.target_us = 0;
-      fwd.push_back(big);
     }
     for (int E : {64, 128, 512}) {
       Case k = softmax;
@@ -318,16 +304,13 @@ int main() {
       fwd.push_back(dec);
     }
     for (const Case& k : fwd)
-      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kLane, epx::cuda::RouterKernel::kLean,
-                                           epx::cuda::RouterKernel::kWide,
+      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kLean, epx::cuda::RouterKernel::kWide,
                                            epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
                                            epx::cuda::RouterKernel::kLegacy}) {
         // Only where lean serves the shape (elsewhere it would run wide under its name); the
         // benchmark's logits are fresh allocations, 16-byte aligned like the null address asked about.
         const TensorRef shape(nullptr, k.dt, {k.T, k.E}, Device::cuda(0));
         if (kern == epx::cuda::RouterKernel::kLean && !epx::cuda::lean_router_serves(config_of(k), shape))
-          continue;
-        if (kern == epx::cuda::RouterKernel::kLane && !epx::cuda::lane_router_serves(config_of(k), shape))
           continue;
         bench_forward(k, hbm, kern);
       }

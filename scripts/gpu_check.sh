@@ -30,10 +30,9 @@
 # PyTorch layers (default: deepseek-v3 mixtral).
 # router is the router's whole check in one step, for a build of the two binaries it needs
 # (`TARGETS="epx_tests_gpu bench_router" scripts/gpu_check.sh build router`): the router GPU tests
-# (router_tests.log), memcheck over the lean and lane kernels' tests (router_memcheck.log), bench_router
-# beside PyTorch's two routes (router.jsonl), and, where Nsight Compute is installed, a report of the
-# lane kernel at softmax top-8 and of the lean and wide kernels at T = 16384 for softmax top-8 and
-# DeepSeek-V3 (ncu_router_{lane,lean,wide}_{softmax,dsv3}.*; NCU_ROUTER_LANE_ONLY=1: lane and lean softmax).
+# (router_tests.log), memcheck over the lean kernel's tests (router_memcheck.log), bench_router beside
+# PyTorch's two routes (router.jsonl), and, where Nsight Compute is installed, a report of the lean and
+# wide kernels at T = 16384 for softmax top-8 and DeepSeek-V3 (ncu_router_{lean,wide}_{softmax,dsv3}.*).
 # ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
 # DeepSeek-V3 router, fp32 logits; T = 4096 prepare) and writes each report's details and per-instruction SASS counters as text.
 # python runs the Python package's pytest suites from the build tree (python_tests.log; PY_TESTS narrows
@@ -108,7 +107,7 @@ if has router; then
   grep -E "Failure" -A6 "$OUT/router_tests.log" | head -60
   if command -v compute-sanitizer >/dev/null 2>&1; then
     timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/epx_tests_gpu" \
-      --gtest_filter='RouterGpu*Lean*:RouterGpu*Lane*:RouterGpuForward.MatchesReferenceOnTiesAndNonFiniteRows' >"$OUT/router_memcheck.log" 2>&1
+      --gtest_filter='RouterGpu*Lean*:RouterGpuForward.MatchesReferenceOnTiesAndNonFiniteRows' >"$OUT/router_memcheck.log" 2>&1
     summary "router memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/router_memcheck.log" | tail -1)"
   fi
   timeout 300 "$BUILD/bin/bench_router" >"$OUT/router.jsonl" 2>>"$OUT/bench.err" || summary "router bench: rc=$?"
@@ -123,18 +122,15 @@ if has router; then
         -f -o "$OUT/ncu_router_$1" "$BUILD/bin/bench_router" >"$OUT/ncu_router_$1.run.log" 2>&1 || summary "ncu $1: rc=$?"
       ncu -i "$OUT/ncu_router_$1.ncu-rep" --page details >"$OUT/ncu_router_$1.details.txt" 2>&1
       # Where the warps wait: the stall reasons per issued instruction (the details page draws them only as a chart).
-      ncu -i "$OUT/ncu_router_$1.ncu-rep" --page raw 2>&1 | grep -E "warp_issue_stalled_.*per_warp_active|average_warps_issue_stalled_.*per_issue_active" |
+      ncu -i "$OUT/ncu_router_$1.ncu-rep" --page raw 2>&1 | grep -E "average_warps_issue_stalled_.*per_issue_active" |
         sort -k3 -g -r | head -14 >>"$OUT/ncu_router_$1.details.txt"
       rm -f "$OUT/ncu_router_$1.ncu-rep"
     }
     # Demangled template arguments may read (int)8 or (bool)1: the patterns allow either spelling.
-    ncu_router lane_softmax 'route_forward_lane_kernel<[^,]*256, [^,]*0, [^,]*(false|0)>'
     ncu_router lean_softmax 'route_forward_lean_kernel<[^,]*8, [^,]*0, [^,]*3, [^,]*(false|0), [^,]*(false|0)>'
-    if [[ -z ${NCU_ROUTER_LANE_ONLY:-} ]]; then
-      ncu_router lean_dsv3 'route_forward_lean_kernel<[^,]*8, [^,]*2, [^,]*3, [^,]*(true|1), [^,]*(true|1)>'
-      ncu_router wide_softmax 'route_forward_wide_kernel<[^,]*16, float, [^,]*0>'
-      ncu_router wide_dsv3 'route_forward_wide_kernel<[^,]*16, float, [^,]*2>'
-    fi
+    ncu_router lean_dsv3 'route_forward_lean_kernel<[^,]*8, [^,]*2, [^,]*3, [^,]*(true|1), [^,]*(true|1)>'
+    ncu_router wide_softmax 'route_forward_wide_kernel<[^,]*16, float, [^,]*0>'
+    ncu_router wide_dsv3 'route_forward_wide_kernel<[^,]*16, float, [^,]*2>'
     summary "router ncu: $(ls "$OUT"/ncu_router_*.details.txt 2>/dev/null | wc -l) reports"
   fi
 fi

@@ -29,7 +29,6 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_kernels.cuh"
-#include "cuda/router/router_lane.h"
 #include "cuda/router/router_lean.h"
 #include "cuda/router/router_wide.h"
 #include "epx/error.h"
@@ -150,7 +149,6 @@ RouterKernel resolve_router_kernel() {
     if (v != nullptr && std::strcmp(v, "fast") == 0) want = static_cast<int>(RouterKernel::kFast);
     if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
     if (v != nullptr && std::strcmp(v, "lean") == 0) want = static_cast<int>(RouterKernel::kLean);
-    if (v != nullptr && std::strcmp(v, "lane") == 0) want = static_cast<int>(RouterKernel::kLane);
     int expected = -1;
     g_router_kernel.compare_exchange_strong(expected, want);
     k = g_router_kernel.load(std::memory_order_relaxed);
@@ -300,7 +298,6 @@ const char* router_kernel_name(RouterKernel k) {
     case RouterKernel::kFastOneTokenPerWarp: return "fast1";
     case RouterKernel::kWide: return "wide";
     case RouterKernel::kLean: return "lean";
-    case RouterKernel::kLane: return "lane";
     case RouterKernel::kAuto: return "auto";
     default: return "fast";
   }
@@ -312,10 +309,6 @@ RouterKernel router_kernel_in_use() { return resolve_router_kernel(); }
 
 bool lean_router_serves(const RouterConfig& c, const TensorRef& logits) {
   return lean_router_supports(shape_params(c, logits), logits.dtype() == DType::kBF16);
-}
-
-bool lane_router_serves(const RouterConfig& c, const TensorRef& logits) {
-  return lane_router_supports(shape_params(c, logits), score_kind(c.score_function), logits.dtype() == DType::kBF16);
 }
 
 void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorRef& expert_bias,
@@ -359,16 +352,11 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   // at T = 128, 1.02x for softmax after top-k), else wide.
   const bool auto_lean = want == RouterKernel::kAuto && c.score_function != ScoreFunction::kSoftmaxAfterTopk &&
                          T >= kAutoLeanMinTokens;
-  const int sf = score_kind(c.score_function);
-  const bool lane = want == RouterKernel::kLane && lane_router_supports(p, sf, bf16);
-  const bool lean = !lane && (want == RouterKernel::kLean || want == RouterKernel::kLane || auto_lean) &&
-                    lean_router_supports(p, bf16);
-  const bool wide = !lane && !lean &&
-                    (want == RouterKernel::kWide || want == RouterKernel::kLean || want == RouterKernel::kLane ||
-                     want == RouterKernel::kAuto) &&
+  const bool lean = (want == RouterKernel::kLean || auto_lean) && lean_router_supports(p, bf16);
+  const bool wide = !lean &&
+                    (want == RouterKernel::kWide || want == RouterKernel::kLean || want == RouterKernel::kAuto) &&
                     wide_router_supports(p, bf16);
-  const int64_t max_chunks = lane   ? std::min<int64_t>(rk::kMaxChunks, lane_router_blocks())
-                             : lean ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
+  const int64_t max_chunks = lean   ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
                              : wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks())
                                     : rk::kMaxChunks;
 
@@ -377,7 +365,6 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   int64_t ct = std::max<int64_t>(8, ceil_div(T, max_chunks));
   if (wide) ct = ceil_div(ct, 2 * rk::kWarps) * (2 * rk::kWarps);  // whole rounds of the block's token pairs
   if (lean) ct = ceil_div(ct, rk::kWarps) * rk::kWarps;             // whole rounds of the block's warps
-  if (lane) ct = ceil_div(ct, rk::kLaneRoundTokens) * rk::kLaneRoundTokens;  // whole rounds of its tiles
   if (L <= ct) {
     p.C = L;
     p.bps = 1;
@@ -405,9 +392,8 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   require_status(c.num_groups == 1 || V == 1 || p.per > V, Status::kInternal, fn, "group width ", p.per,
                  " not above the ", V, " experts per lane");
   const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, max_chunks));
-  if (lane)
-    launch_route_forward_lane(sf, grid, s, p);
-  else if (lean)
+  const int sf = score_kind(c.score_function);
+  if (lean)
     launch_route_forward_lean(sf, grid, s, p);
   else if (wide)
     launch_route_forward_wide(sf, grid, s, p);
