@@ -177,24 +177,6 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
   float* ring = s_rows + warp * R * E;  // this warp's staged rows
   float* red = &s_red[warp][0];         // this warp's prob_sum row of the chunk
 
-  // Chunk c's first R - 1 rows of this warp (tokens begin + warp + kWarps j) go in flight at once; a
-  // group is committed for every row slot, empty past the end, so the waits count uniformly.
-  auto prefetch = [&](int64_t c) {
-    const ChunkSpan span = chunk_span(p, c);
-    const int64_t t0 = span.begin + warp;
-    const int n = t0 < span.end ? static_cast<int>((span.end - 1 - t0) / kWarps) + 1 : 0;
-#pragma unroll
-    for (int j = 0; j + 1 < R; ++j) {
-      if (j < n) {
-#pragma unroll
-        for (int k = 0; k < NQ; ++k)
-          lean_copy16(ring + j * E + e0 + 4 * k, logits + (t0 + kWarps * j) * E + e0 + 4 * k);
-      }
-      lean_commit();
-    }
-  };
-  // The first chunk's rows are requested before the bias is staged: its load and theirs overlap.
-  if (blockIdx.x < p.nchunks) prefetch(blockIdx.x);
   stage_bias(s_bias, p, E);
   if (tid == 0) {
     s_blk_lse = 0.0f;
@@ -216,10 +198,19 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     const ChunkSpan span = chunk_span(p, c);
     const int64_t s = span.s, jc = span.jc, t_begin = span.begin, t_end = span.end;
 
-    // The warp's tokens t_begin + warp + kWarps j (the first chunk's first rows are in flight already).
+    // The warp's tokens t_begin + warp + kWarps j; the first R - 1 rows go in flight at once (a
+    // group is committed for every row slot, empty past the end, so the waits count uniformly).
     const int64_t t0 = t_begin + warp;
     const int n = t0 < t_end ? static_cast<int>((t_end - 1 - t0) / kWarps) + 1 : 0;
-    if (c != blockIdx.x) prefetch(c);
+#pragma unroll
+    for (int j = 0; j + 1 < R; ++j) {
+      if (j < n) {
+#pragma unroll
+        for (int k = 0; k < NQ; ++k)
+          lean_copy16(ring + j * E + e0 + 4 * k, logits + (t0 + kWarps * j) * E + e0 + 4 * k);
+      }
+      lean_commit();
+    }
 #pragma unroll
     for (int k = 0; k < NQ; ++k) reinterpret_cast<float4*>(red + e0)[k] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (lane == 0) {
