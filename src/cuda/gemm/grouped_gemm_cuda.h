@@ -100,15 +100,15 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups);
 /// |cooperative|pingpong|cluster|nosource|pingpong_nosource, read once. cluster = cooperative 2x1
 /// clusters for bf16 gradients, ping-pong for fp32; nosource = grouped_wgrad_bf16_out_nosource for
 /// overwritten bf16 gradients, cooperative otherwise; pingpong_nosource = the no-source ping-pong
-/// kernels for overwritten gradients, ping-pong for accumulating ones. auto: for overwritten
-/// gradients where the operands hold at least kPingpongWgradMinRowsPerGroup rows a group, the
-/// no-source ping-pong kernels (on an H200, timed interleaved at the sustained clock, at 128 groups x
-/// 256 rows: bf16 1.10-1.15x nosource, fp32 1.04-1.11x ping-pong; at 32 x 1024: bf16 1.11-1.14x
-/// nosource, fp32 0.97-1.01x ping-pong); below that,
-/// nosource for bf16 (at 256 groups x 128 rows, the one-GPU DeepSeek-V3 layer, 1.1x the ping-pong
-/// kernel) and ping-pong for fp32; ping-pong for accumulating gradients. The rows are the capacity,
-/// which the layer sizes for the worst case (every token to this rank), so a layer on R ranks counts
-/// R times its average rows.
+/// kernels for overwritten gradients, cooperative for accumulating bf16 ones and ping-pong for
+/// accumulating fp32 ones. auto: for overwritten gradients where the operands hold at least
+/// kPingpongWgradMinRowsPerGroup rows a group, the no-source ping-pong kernels (on an H200, timed
+/// interleaved at the sustained clock, at 128 groups x 256 rows: bf16 1.10-1.15x nosource, fp32
+/// 1.04-1.11x ping-pong; at 32 x 1024: bf16 1.11-1.14x nosource, fp32 0.97-1.01x ping-pong); below
+/// that, nosource for bf16 (at 256 groups x 128 rows, the one-GPU DeepSeek-V3 layer, 1.1x the
+/// ping-pong kernel) and ping-pong for fp32; ping-pong for accumulating gradients. The rows are the
+/// capacity, which the layer sizes for the worst case (every token to this rank), so a layer on R
+/// ranks counts R times its average rows.
 inline constexpr int64_t kPingpongWgradMinRowsPerGroup = 192;
 enum class WgradSchedule { kAuto, kCooperative, kPingpong, kCluster, kNoSource, kPingpongNoSource };
 WgradSchedule wgrad_schedule();
