@@ -3,7 +3,7 @@
 // fraction of the dense GEMM's rate; decode also the weight-read floor at the measured HBM speed.
 // Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
 // beside the shipped ones and counts the output elements where they differ.
-// usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
+// usage: bench_grouped_gemm [--fp8 | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -104,6 +104,9 @@ std::vector<int> zipf_sizes(int G, int total, double s) {
   return out;
 }
 
+// --fp8: only the FP8 contests (the bf16 forward, the FP8 schedules and candidates), default tile order.
+bool g_fp8_only = false;
+
 // The FP8 forward (DeepSeek-V3 block scales) on the same operands: the weights quantized and
 // transposed once (outside the timing, as once per weight update), x's 1x128 quantization timed
 // apart (the layer would fuse it into dispatch), the GEMM op timed as a caller sees it (the scale
@@ -134,7 +137,9 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y_bf16); }};
-  for (const TileOrderSetting& order : kTileOrders)
+  const std::vector<TileOrderSetting> orders =
+      g_fp8_only ? std::vector<TileOrderSetting>{kTileOrders.front()} : kTileOrders;
+  for (const TileOrderSetting& order : orders)
     for (const char* schedule : schedules) {
       try {  // one schedule failing must not hide the other lines
         const ScopedTileOrder scoped_order(order);
@@ -155,9 +160,34 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
       });
     }
   const std::vector<double> t = bench::time_interleaved(fns);
+  // Each schedule's output (default tile order) against the cooperative kernel's, element by element.
+  std::vector<long long> differ(schedules.size(), -1);
+  {
+    auto output_of = [&](const char* schedule) {
+      const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+      grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
+      return y.to(Device::cpu());
+    };
+    const Tensor want = output_of("cooperative");
+    const uint16_t* wv = static_cast<const uint16_t*>(want.data());
+    for (size_t i = 0; i < schedules.size(); ++i) {
+      try {
+        const Tensor got = output_of(schedules[i]);
+        const uint16_t* gv = static_cast<const uint16_t*>(got.data());
+        differ[i] = 0;
+        for (int64_t k = 0; k < want.numel(); ++k) differ[i] += gv[k] != wv[k];
+      } catch (const Error&) {  // reported with the timings
+      }
+    }
+  }
   for (size_t e = 0; e < entries.size(); ++e) {
+    const size_t si = static_cast<size_t>(
+        std::find_if(schedules.begin(), schedules.end(),
+                     [&](const char* sname) { return std::strcmp(sname, entries[e].schedule) == 0; }) -
+        schedules.begin());
     JsonLine j;
     j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
+        .add("elements_differing_from_cooperative", si < differ.size() ? differ[si] : -1)
         .add("schedule", entries[e].schedule).add("case", name).add("groups", G)
         .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K))
         .add("N", static_cast<long long>(N)).add("time_us", t[e + 1]).add("tflops", flops / t[e + 1] * 1e-6)
@@ -242,6 +272,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
   Tensor x = device_random({L.total, K}, DType::kBF16, 1, 1.0), w = device_random({G, K, N}, DType::kBF16, 2, 0.02);
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   const double flops = 2.0 * L.total * K * N;
+  if (g_fp8_only) return run_fp8(name, L, x, w, y, K, N, flops, hbm);
   Tensor wd = device_random({K, N}, DType::kBF16, 3, 0.02);
   Tensor yd = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y); },
@@ -430,9 +461,10 @@ int main(int argc, char** argv) {
       run_wgrad_variants(found->name, std::vector<int>(found->groups, found->rows), found->K, found->N, argv[3]);
       return 0;
     }
-    if (argc != 1) {
+    g_fp8_only = argc == 2 && std::string(argv[1]) == "--fp8";
+    if (argc != 1 && !g_fp8_only) {
       std::fprintf(stderr,
-                   "usage: bench_grouped_gemm [--wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]\n");
+                   "usage: bench_grouped_gemm [--fp8 | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]\n");
       return 2;
     }
     const double hbm = bench::measure_hbm_bytes_per_s();
@@ -444,6 +476,7 @@ int main(int argc, char** argv) {
     // The DeepSeek-V3 layer on 2 GPUs: 128 local experts, ~256 rows each; stacked FC1 (N = 2F) and FC2.
     run("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, hbm, true);
     run("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, hbm, true);
+    if (g_fp8_only) return 0;
     run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096);
     run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168);
     run_wgrad_variants("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048);

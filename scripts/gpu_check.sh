@@ -4,7 +4,7 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [epbench] [eptrace]
+# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [epbench] [eptrace]
 #                            [layer] [profile] [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
@@ -190,6 +190,28 @@ if has gemm; then
       summary "gemm: wgrad contest $c failed rc=$?"
   done
   summary "gemm: $(wc -l <"$OUT/gemm.jsonl") JSON lines"
+fi
+
+if has fp8; then
+  # The FP8 grouped forward alone: its GPU tests (in a build with -DEPX_GEMM_TRIALS=ON also every
+  # candidate schedule, each bit-compared with the shipped schedule it derives from), memcheck over
+  # the blockwise test, and `bench_grouped_gemm --fp8`: the bf16 forward, the FP8 schedules and the
+  # candidates in one interleaved contest per shape (fp8.jsonl).
+  timeout 600 "$BUILD/tests/epx_tests_gpu" --gtest_filter='GroupedGemmGpu.Fp8*:ExpertMlpGpu.Fp8*:MoELayerGpu.*Fp8*' \
+    >"$OUT/fp8_tests.log" 2>&1
+  summary "fp8 tests: rc=$? $(grep -E '^\[  PASSED' "$OUT/fp8_tests.log" | head -1) $(grep -E '^\[  FAILED  \] [0-9]+ test' "$OUT/fp8_tests.log" | head -1)"
+  grep -E "Failure" -A6 "$OUT/fp8_tests.log" | head -40
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/epx_tests_gpu" \
+      --gtest_filter='GroupedGemmGpu.Fp8BlockwiseForwardMatchesReference' >"$OUT/fp8_memcheck.log" 2>&1
+    summary "fp8 memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/fp8_memcheck.log" | tail -1)"
+  fi
+  timeout "${GEMM_TIMEOUT:-400}" "$BUILD/bin/bench_grouped_gemm" --fp8 >"$OUT/fp8.jsonl" 2>>"$OUT/gemm.err" ||
+    summary "fp8: bench_grouped_gemm --fp8 failed rc=$?"
+  summary "fp8: $(wc -l <"$OUT/fp8.jsonl") JSON lines"
+  # schedule, case, speed-up over bf16, elements differing from cooperative
+  sed -E 's/.*"elements_differing_from_cooperative":(-?[0-9]+).*"schedule":"([^"]*)","case":"([^"]*)".*"speedup_vs_bf16":([0-9.]+).*/\3 \2 \4x bf16, \1 differing/' \
+    "$OUT/fp8.jsonl" | tee -a "$OUT/summary.txt"
 fi
 
 if has mptests; then

@@ -11,6 +11,9 @@
 // layouts). One translation unit per schedule: each takes minutes to compile.
 #pragma once
 
+#include <type_traits>
+
+#include "cuda/gemm/cutlass/fp8_overlapped_promotion_sm90.cuh"
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 
@@ -42,6 +45,23 @@ struct CooperativeCluster : Cooperative {
   static constexpr int kCacheId = kId;
 };
 
+// Cooperative 128x128x128 tiles whose warp groups promote K block k while block k + 1's MMAs run
+// (OverlappedPromotionMainloop), instead of waiting for each block's MMAs before promoting it.
+struct CooperativeOverlap : Cooperative {
+  static constexpr bool kOverlapPromotion = true;
+  static constexpr int kCacheId = 112;
+};
+// The same for the ping-pong schedule, whose warp groups take turns at the tensor cores a whole tile
+// at a time, so a promotion that waits on its own MMAs idles them there as well.
+struct PingpongOverlap : Pingpong {
+  static constexpr bool kOverlapPromotion = true;
+  static constexpr int kCacheId = 113;
+};
+template <class S, class = void>
+struct OverlapsPromotion : std::false_type {};
+template <class S>
+struct OverlapsPromotion<S, std::void_t<decltype(S::kOverlapPromotion)>> : std::bool_constant<S::kOverlapPromotion> {};
+
 template <class Schedule>
 struct Fp8Parts {
   using ElementA = cutlass::float_e4m3_t;
@@ -56,11 +76,13 @@ struct Fp8Parts {
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using Epilogue = grouped::PtrArrayEpilogue<TileShape, ClusterShape, ElementOut, typename Schedule::EpilogueSchedule>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<OverlapsPromotion<Schedule>::value, OverlappedPromotionMainloop<BuiltMainloop>,
+                                      BuiltMainloop>;
 };
 
 template <class Schedule>

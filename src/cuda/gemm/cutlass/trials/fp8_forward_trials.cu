@@ -9,12 +9,16 @@ namespace epx::cuda {
           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_cluster2x1)
 EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_cluster1x2)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_overlap)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_pingpong_overlap)
 #undef EPX_DECLARE_FP8_TRIAL
 
 const Fp8ForwardTrial* fp8_forward_trials(int& count) {
   static const Fp8ForwardTrial trials[] = {
       {"cooperative_cluster2x1", fp8_trial_cooperative_cluster2x1},
       {"cooperative_cluster1x2", fp8_trial_cooperative_cluster1x2},
+      {"cooperative_overlap", fp8_trial_cooperative_overlap},
+      {"pingpong_overlap", fp8_trial_pingpong_overlap},
   };
   count = static_cast<int>(sizeof(trials) / sizeof(trials[0]));
   return trials;

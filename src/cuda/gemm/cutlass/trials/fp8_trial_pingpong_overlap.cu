@@ -1,0 +1,15 @@
+// The ping-pong FP8 block-scaled forward with the scale promotion of K block k overlapped with
+// block k + 1's MMAs (fp8_overlapped_promotion_sm90.cuh).
+#include "cuda/gemm/cutlass/grouped_fp8_sm90.cuh"
+#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
+
+namespace epx::cuda {
+
+void fp8_trial_pingpong_overlap(const void* a, const float* a_scales, const void* bt, const float* b_scales, void* out,
+                                int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows,
+                                int groups, Stream stream) {
+  grouped_fp8::forward<grouped_fp8::PingpongOverlap>(a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows,
+                                                     groups, stream);
+}
+
+}  // namespace epx::cuda
