@@ -95,8 +95,6 @@ struct OverlappedPromotionMainloop : Base {
     auto issue = [&](auto& part, auto& scale, PipelineState read) {
       pipeline.consumer_wait(read);
       const int stage = read.index();
-      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), scale);
-      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), scale_b);
       warpgroup_fence_operand(part);
       warpgroup_arrive();
       tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -107,6 +105,9 @@ struct OverlappedPromotionMainloop : Base {
       }
       warpgroup_commit_batch();
       warpgroup_fence_operand(part);
+      // The scales are needed only when this block is promoted, after the next one is issued.
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), scale);
+      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), scale_b);
       const ElementBlockScale sb = scale_b(_0{});
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(filter_zeros(scale)); ++i) filter_zeros(scale)(i) = filter_zeros(scale)(i) * sb;

@@ -1,14 +1,15 @@
 // FP8 e4m3 forward with DeepSeek-V3's block scales (activations 1x128, weights 128x128, fp32 scales
 // applied to the fp32 accumulator once per 128-deep K block), bf16 out: CUTLASS 3's pointer-array
-// blockwise-scaled kernels (TMA + WGMMA, persistent), in two schedules:
-//  - cooperative: 128x128x128 tiles, both consumer warp groups on one tile, so the tensor cores wait
-//    while the warp groups apply the K block's scales (grouped_fp8_blockwise_sm90.cu);
-//  - ping-pong: 64x128x128 tiles, one per consumer warp group, the two groups' MMAs alternating, so
-//    one group's scale promotion and epilogue run under the other's MMAs
-//    (grouped_fp8_blockwise_pingpong_sm90.cu).
+// blockwise-scaled kernels (TMA + WGMMA, persistent) with our mainloop, which promotes K block k
+// while block k + 1's MMAs run (fp8_overlapped_promotion_sm90.cuh; CUTLASS's own mainloop waits for
+// each block's MMAs first and idles the tensor cores meanwhile), in two schedules:
+//  - cooperative: 128x128x128 tiles, both consumer warp groups on one tile
+//    (grouped_fp8_blockwise_sm90.cu);
+//  - ping-pong: 64x128x128 tiles, one per consumer warp group, the two groups' tiles alternating, so
+//    one group's epilogue runs under the other's MMAs (grouped_fp8_blockwise_pingpong_sm90.cu).
 // Hopper's FP8 WGMMA reads both operands K-major, hence the transposed weights, and the kernels read
 // each group's activation scales M-major from a block of its own (see grouped_gemm_cuda.h for both
-// layouts). One translation unit per schedule: each takes minutes to compile.
+// layouts). One translation unit per schedule, so they compile in parallel.
 #pragma once
 
 #include <type_traits>
@@ -26,6 +27,7 @@ struct Cooperative {
   using ClusterShape = cute::Shape<_1, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  static constexpr bool kOverlapPromotion = true;
   static constexpr int kCacheId = 100;  // apart from the bf16 kernels' cache ids
 };
 struct Pingpong {
@@ -33,30 +35,39 @@ struct Pingpong {
   using ClusterShape = cute::Shape<_1, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  static constexpr bool kOverlapPromotion = true;
   static constexpr int kCacheId = 101;
 };
-// Cooperative tiles in clusters of two that share one operand's tiles through TMA multicast (B along
-// M, A along N), since the 128x128x128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, twice the bf16
-// kernel's bytes per FLOP. Trials only: on an H200 at its power cap both were within 3% of
-// Cooperative, and 2x1 1.6x slower at decode (bench/NOTES.md).
+// Trials (-DEPX_GEMM_TRIALS=ON), each bit-identical to the shipped schedule it derives from:
+// CUTLASS's own mainloop, which waits for a K block's MMAs before promoting it (the shipped kernels
+// until the overlapped promotion was measured 1.07-1.24x faster on an H200, bench/NOTES.md) ...
+template <class Schedule, int kId>
+struct WaitingPromotion : Schedule {
+  static constexpr bool kOverlapPromotion = false;
+  static constexpr int kCacheId = kId;
+};
+// ... cooperative tiles in clusters of two that share one operand's tiles through TMA multicast (B
+// along M, A along N), since the 128x128x128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, twice the
+// bf16 kernel's bytes per FLOP (on an H200 at its power cap both were within 3% of Cooperative, and
+// 2x1 1.6x slower at decode) ...
 template <int kM, int kN, int kId>
 struct CooperativeCluster : Cooperative {
   using ClusterShape = cute::Shape<cute::Int<kM>, cute::Int<kN>, _1>;
   static constexpr int kCacheId = kId;
 };
+// ... and cooperative tiles without the source operand C (the forward never reads it), whose
+// shared-memory stages go to the mainloop, with CUTLASS's epilogue sub-tiles or larger ones (fewer
+// stores per tile).
+struct CooperativeNoSource : Cooperative {
+  static constexpr bool kNoSource = true;
+  static constexpr int kCacheId = 114;
+};
+template <int kEpiN, int kId>
+struct CooperativeNoSourceEpi : CooperativeNoSource {
+  using EpilogueTile = cute::Shape<_128, cute::Int<kEpiN>>;
+  static constexpr int kCacheId = kId;
+};
 
-// Cooperative 128x128x128 tiles whose warp groups promote K block k while block k + 1's MMAs run
-// (OverlappedPromotionMainloop), instead of waiting for each block's MMAs before promoting it.
-struct CooperativeOverlap : Cooperative {
-  static constexpr bool kOverlapPromotion = true;
-  static constexpr int kCacheId = 112;
-};
-// The same for the ping-pong schedule, whose warp groups take turns at the tensor cores a whole tile
-// at a time, so a promotion that waits on its own MMAs idles them there as well.
-struct PingpongOverlap : Pingpong {
-  static constexpr bool kOverlapPromotion = true;
-  static constexpr int kCacheId = 113;
-};
 template <class S, class = void>
 struct OverlapsPromotion : std::false_type {};
 template <class S>
@@ -75,7 +86,9 @@ struct Fp8Parts {
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using Epilogue = grouped::PtrArrayEpilogue<TileShape, ClusterShape, ElementOut, typename Schedule::EpilogueSchedule>;
+  using ElementC = std::conditional_t<grouped::HasNoSource<Schedule>::value, void, ElementOut>;
+  using Epilogue = grouped::PtrArrayEpilogue<TileShape, ClusterShape, ElementOut, typename Schedule::EpilogueSchedule,
+                                             typename grouped::EpilogueTileOf<Schedule>::type, ElementC>;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
@@ -160,10 +173,13 @@ void forward(const void* a, const float* a_scales, const void* bt, const float* 
   typename K_::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                     {groups, arr.shapes, nullptr},
                                     {arr.a, arr.sa, arr.b, arr.sb, arr.sfa, arr.lsfa, arr.sfb, arr.lsfb},
-                                    {{}, arr.c, arr.sc, arr.d, arr.sc},
+                                    {{}, nullptr, arr.sc, arr.d, arr.sc},
                                     grouped::hardware_info()};
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
+  if constexpr (!std::is_void_v<typename K_::ElementC>) {
+    args.epilogue.ptr_C = arr.c;
+    args.epilogue.thread.beta = 0.0f;
+  }
   grouped::launch<typename K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N,
                                      "both must be multiples of 128");
 }

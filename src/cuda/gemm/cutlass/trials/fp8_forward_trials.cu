@@ -9,16 +9,22 @@ namespace epx::cuda {
           int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_cluster2x1)
 EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_cluster1x2)
-EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_overlap)
-EPX_DECLARE_FP8_TRIAL(fp8_trial_pingpong_overlap)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_wait)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_pingpong_wait)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_nosource)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_nosource_epi128x64)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_nosource_epi128x128)
 #undef EPX_DECLARE_FP8_TRIAL
 
 const Fp8ForwardTrial* fp8_forward_trials(int& count) {
   static const Fp8ForwardTrial trials[] = {
       {"cooperative_cluster2x1", fp8_trial_cooperative_cluster2x1},
       {"cooperative_cluster1x2", fp8_trial_cooperative_cluster1x2},
-      {"cooperative_overlap", fp8_trial_cooperative_overlap},
-      {"pingpong_overlap", fp8_trial_pingpong_overlap},
+      {"cooperative_wait", fp8_trial_cooperative_wait},
+      {"pingpong_wait", fp8_trial_pingpong_wait},
+      {"cooperative_nosource", fp8_trial_cooperative_nosource},
+      {"cooperative_nosource_epi128x64", fp8_trial_cooperative_nosource_epi128x64},
+      {"cooperative_nosource_epi128x128", fp8_trial_cooperative_nosource_epi128x128},
   };
   count = static_cast<int>(sizeof(trials) / sizeof(trials[0]));
   return trials;

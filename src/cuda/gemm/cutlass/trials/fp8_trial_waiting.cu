@@ -1,0 +1,22 @@
+// Both FP8 block-scaled schedules with CUTLASS's own mainloop, which waits for a K block's MMAs before
+// promoting it: the shipped kernels before the overlapped promotion, kept to time against.
+#include "cuda/gemm/cutlass/grouped_fp8_sm90.cuh"
+#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
+
+namespace epx::cuda {
+
+void fp8_trial_cooperative_wait(const void* a, const float* a_scales, const void* bt, const float* b_scales, void* out,
+                                int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows,
+                                int groups, Stream stream) {
+  grouped_fp8::forward<grouped_fp8::WaitingPromotion<grouped_fp8::Cooperative, 112>>(
+      a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups, stream);
+}
+
+void fp8_trial_pingpong_wait(const void* a, const float* a_scales, const void* bt, const float* b_scales, void* out,
+                             int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows,
+                             int groups, Stream stream) {
+  grouped_fp8::forward<grouped_fp8::WaitingPromotion<grouped_fp8::Pingpong, 113>>(
+      a, a_scales, bt, b_scales, out, ld_out, K, N, offsets, rows, groups, stream);
+}
+
+}  // namespace epx::cuda
