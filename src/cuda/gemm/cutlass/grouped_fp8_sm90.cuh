@@ -22,11 +22,17 @@ namespace epx::cuda::grouped_fp8 {
 
 using namespace cute;
 
+// Cooperative: no source operand C (the forward overwrites its output; C's shared-memory stages go
+// to the mainloop) and 128x64 epilogue sub-tiles (two stores per tile instead of CUTLASS's four).
+// On an H200 both together were 1.01-1.08x the same kernel with C and CUTLASS's sub-tiles, most at
+// the short contractions (K = 2048) where the epilogue weighs most (bench/NOTES.md).
 struct Cooperative {
   using TileShape = cute::Shape<_128, _128, _128>;
   using ClusterShape = cute::Shape<_1, _1, _1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueTile = cute::Shape<_128, _64>;
+  static constexpr bool kNoSource = true;
   static constexpr bool kOverlapPromotion = true;
   static constexpr int kCacheId = 100;  // apart from the bf16 kernels' cache ids
 };
@@ -39,8 +45,8 @@ struct Pingpong {
   static constexpr int kCacheId = 101;
 };
 // Trials (-DEPX_GEMM_TRIALS=ON), each bit-identical to the shipped schedule it derives from:
-// CUTLASS's own mainloop, which waits for a K block's MMAs before promoting it (the shipped kernels
-// until the overlapped promotion was measured 1.07-1.24x faster on an H200, bench/NOTES.md) ...
+// CUTLASS's own mainloop, which waits for a K block's MMAs before promoting them (1.05-1.20x slower
+// on an H200) ...
 template <class Schedule, int kId>
 struct WaitingPromotion : Schedule {
   static constexpr bool kOverlapPromotion = false;
@@ -48,23 +54,23 @@ struct WaitingPromotion : Schedule {
 };
 // ... cooperative tiles in clusters of two that share one operand's tiles through TMA multicast (B
 // along M, A along N), since the 128x128x128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, twice the
-// bf16 kernel's bytes per FLOP (on an H200 at its power cap both were within 3% of Cooperative, and
-// 2x1 1.6x slower at decode) ...
+// bf16 kernel's bytes per FLOP (on an H200 at its power cap within 3% of Cooperative, 2x1 1.5x
+// slower at decode) ...
 template <int kM, int kN, int kId>
 struct CooperativeCluster : Cooperative {
   using ClusterShape = cute::Shape<cute::Int<kM>, cute::Int<kN>, _1>;
   static constexpr int kCacheId = kId;
 };
-// ... and cooperative tiles without the source operand C (the forward never reads it), whose
-// shared-memory stages go to the mainloop, with CUTLASS's epilogue sub-tiles or larger ones (fewer
-// stores per tile).
-struct CooperativeNoSource : Cooperative {
-  static constexpr bool kNoSource = true;
+// ... and the cooperative epilogue with the source operand C and CUTLASS's sub-tiles (the shipped one
+// until the contest above), without C with CUTLASS's sub-tiles, or with 128x128 ones.
+struct CooperativeWithSource : Cooperative {
+  using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+  static constexpr bool kNoSource = false;
   static constexpr int kCacheId = 114;
 };
-template <int kEpiN, int kId>
-struct CooperativeNoSourceEpi : CooperativeNoSource {
-  using EpilogueTile = cute::Shape<_128, cute::Int<kEpiN>>;
+template <class EpiTile, int kId>
+struct CooperativeEpilogueTile : Cooperative {
+  using EpilogueTile = EpiTile;
   static constexpr int kCacheId = kId;
 };
 

@@ -11,9 +11,9 @@ EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_cluster2x1)
 EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_cluster1x2)
 EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_wait)
 EPX_DECLARE_FP8_TRIAL(fp8_trial_pingpong_wait)
-EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_nosource)
-EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_nosource_epi128x64)
-EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_nosource_epi128x128)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_with_source)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_epi_auto)
+EPX_DECLARE_FP8_TRIAL(fp8_trial_cooperative_epi128x128)
 #undef EPX_DECLARE_FP8_TRIAL
 
 const Fp8ForwardTrial* fp8_forward_trials(int& count) {
@@ -22,9 +22,9 @@ const Fp8ForwardTrial* fp8_forward_trials(int& count) {
       {"cooperative_cluster1x2", fp8_trial_cooperative_cluster1x2},
       {"cooperative_wait", fp8_trial_cooperative_wait},
       {"pingpong_wait", fp8_trial_pingpong_wait},
-      {"cooperative_nosource", fp8_trial_cooperative_nosource},
-      {"cooperative_nosource_epi128x64", fp8_trial_cooperative_nosource_epi128x64},
-      {"cooperative_nosource_epi128x128", fp8_trial_cooperative_nosource_epi128x128},
+      {"cooperative_with_source", fp8_trial_cooperative_with_source},
+      {"cooperative_epi_auto", fp8_trial_cooperative_epi_auto},
+      {"cooperative_epi128x128", fp8_trial_cooperative_epi128x128},
   };
   count = static_cast<int>(sizeof(trials) / sizeof(trials[0]));
   return trials;
