@@ -3,7 +3,7 @@
 // fraction of the dense GEMM's rate; decode also the weight-read floor at the measured HBM speed.
 // Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
 // beside the shipped ones and counts the output elements where they differ.
-// usage: bench_grouped_gemm [--fp8 | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
+// usage: bench_grouped_gemm [--fp8 | --forward | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -104,8 +104,11 @@ std::vector<int> zipf_sizes(int G, int total, double s) {
   return out;
 }
 
-// --fp8: only the FP8 contests (the bf16 forward, the FP8 schedules and candidates), default tile order.
+// --fp8: only the FP8 contests (the bf16 forward, the FP8 schedules and candidates); --forward: only the
+// contests of the bf16 forward and dgrad against their candidates (trials build). Both in the default
+// tile order.
 bool g_fp8_only = false;
+bool g_forward_only = false;
 
 // The FP8 forward (DeepSeek-V3 block scales) on the same operands: the weights quantized and
 // transposed once (outside the timing, as once per weight update), x's 1x128 quantization timed
@@ -235,7 +238,9 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns;
-  for (const TileOrderSetting& order : kTileOrders) {
+  const std::vector<TileOrderSetting> orders =
+      g_forward_only ? std::vector<TileOrderSetting>{kTileOrders.front()} : kTileOrders;
+  for (const TileOrderSetting& order : orders) {
     entries.push_back({-1, order});
     fns.push_back([&, order] {
       const ScopedTileOrder scoped_order(order);
@@ -273,6 +278,16 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   const double flops = 2.0 * L.total * K * N;
   if (g_fp8_only) return run_fp8(name, L, x, w, y, K, N, flops, hbm);
+#ifdef EPX_GEMM_TRIALS
+  if (g_forward_only) {
+    run_forward_trials(name, false, {x.data(), K, 0}, {w.data(), N, K * N}, N, K, N, L, G, flops);
+    if (backward) {
+      Tensor dy = device_random({L.total, N}, DType::kBF16, 4, 1.0);
+      run_forward_trials(name, true, {dy.data(), N, 0}, {w.data(), N, K * N}, K, N, K, L, G, flops);
+    }
+    return;
+  }
+#endif
   Tensor wd = device_random({K, N}, DType::kBF16, 3, 0.02);
   Tensor yd = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
   std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y); },
@@ -462,9 +477,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     g_fp8_only = argc == 2 && std::string(argv[1]) == "--fp8";
-    if (argc != 1 && !g_fp8_only) {
-      std::fprintf(stderr,
-                   "usage: bench_grouped_gemm [--fp8 | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]\n");
+    g_forward_only = argc == 2 && std::string(argv[1]) == "--forward";
+    if (argc != 1 && !g_fp8_only && !g_forward_only) {
+      std::fprintf(stderr, "usage: bench_grouped_gemm [--fp8 | --forward | --wgrad "
+                           "fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]\n");
       return 2;
     }
     const double hbm = bench::measure_hbm_bytes_per_s();
@@ -476,7 +492,7 @@ int main(int argc, char** argv) {
     // The DeepSeek-V3 layer on 2 GPUs: 128 local experts, ~256 rows each; stacked FC1 (N = 2F) and FC2.
     run("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, hbm, true);
     run("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, hbm, true);
-    if (g_fp8_only) return 0;
+    if (g_fp8_only || g_forward_only) return 0;
     run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096);
     run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168);
     run_wgrad_variants("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048);

@@ -4,7 +4,8 @@
 # baseline. Results go under $OUT (default ./gpu-out): gpu_tests.log/.json, memcheck.log,
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
-# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [epbench] [eptrace]
+# usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [forward]
+#                            [epbench] [eptrace]
 #                            [layer] [profile] [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
@@ -212,6 +213,17 @@ if has fp8; then
   # schedule, case, speed-up over bf16, elements differing from cooperative
   sed -E 's/.*"elements_differing_from_cooperative":(-?[0-9]+).*"schedule":"([^"]*)","case":"([^"]*)".*"speedup_vs_bf16":([0-9.]+).*/\3 \2 \4x bf16, \1 differing/' \
     "$OUT/fp8.jsonl" | tee -a "$OUT/summary.txt"
+fi
+
+if has forward; then
+  # The bf16 forward and dgrad against their candidates (a build with -DEPX_GEMM_TRIALS=ON), one
+  # interleaved contest per shape and mode in the default tile order: forward.jsonl.
+  timeout "${GEMM_TIMEOUT:-400}" "$BUILD/bin/bench_grouped_gemm" --forward >"$OUT/forward.jsonl" 2>>"$OUT/gemm.err" ||
+    summary "forward: bench_grouped_gemm --forward failed rc=$?"
+  summary "forward: $(wc -l <"$OUT/forward.jsonl") JSON lines"
+  # case, op, schedule, shipped time over the candidate's, elements differing from the shipped kernel
+  sed -E 's/.*"op":"grouped_gemm_([a-z]+)_kernel","case":"([^"]*)","schedule":"([^"]*)".*"shipped_over_trial_time":([0-9.]+)(,"elements_differing_from_shipped":([0-9]+))?.*/\2 \1 \3 \4 \6/' \
+    "$OUT/forward.jsonl" | tee -a "$OUT/summary.txt"
 fi
 
 if has mptests; then
