@@ -1,6 +1,6 @@
-// The forward and dgrad on cooperative 128x256 tiles without the source operand C (the forward never
-// reads it; its shared-memory stages go to the mainloop), with CUTLASS's epilogue sub-tiles and with
-// 128x64 ones: the no-C candidate above also took 128x128 sub-tiles, so it did not tell the two apart.
+// The forward and dgrad on cooperative 128x256 tiles with other epilogues than the shipped one (no
+// source operand C, 128x64 sub-tiles): with C and CUTLASS's sub-tiles (the shipped one before), and
+// without C with CUTLASS's sub-tiles.
 #include "cuda/gemm/cutlass/trials/forward_trial_kernels.cuh"
 
 namespace epx::cuda::forward_trial {
@@ -8,14 +8,10 @@ namespace epx::cuda::forward_trial {
 struct CooperativeNoCEpiAuto : grouped::Cooperative {
   static constexpr bool kNoSource = true;
 };
-struct CooperativeNoCEpi128x64 : grouped::Cooperative {
-  using EpilogueTile = cute::Shape<cute::_128, cute::_64>;
-  static constexpr bool kNoSource = true;
-};
 
 }  // namespace epx::cuda::forward_trial
 
-EPX_FORWARD_TRIAL(forward_trial_noc_epi_auto, 32, false, forward_trial::CooperativeNoCEpiAuto)
-EPX_FORWARD_TRIAL(dgrad_trial_noc_epi_auto, 33, true, forward_trial::CooperativeNoCEpiAuto)
-EPX_FORWARD_TRIAL(forward_trial_noc_epi128x64, 34, false, forward_trial::CooperativeNoCEpi128x64)
-EPX_FORWARD_TRIAL(dgrad_trial_noc_epi128x64, 35, true, forward_trial::CooperativeNoCEpi128x64)
+EPX_FORWARD_TRIAL(forward_trial_with_source, 32, false, grouped::Cooperative)
+EPX_FORWARD_TRIAL(dgrad_trial_with_source, 33, true, grouped::Cooperative)
+EPX_FORWARD_TRIAL(forward_trial_noc_epi_auto, 34, false, forward_trial::CooperativeNoCEpiAuto)
+EPX_FORWARD_TRIAL(dgrad_trial_noc_epi_auto, 35, true, forward_trial::CooperativeNoCEpiAuto)

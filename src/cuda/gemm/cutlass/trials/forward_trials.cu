@@ -11,10 +11,10 @@ EPX_DECLARE_FORWARD_TRIAL(forward_trial_cluster2x1)
 EPX_DECLARE_FORWARD_TRIAL(forward_trial_cluster1x2)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_cluster2x1)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_cluster1x2)
+EPX_DECLARE_FORWARD_TRIAL(forward_trial_with_source)
+EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_with_source)
 EPX_DECLARE_FORWARD_TRIAL(forward_trial_noc_epi_auto)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_noc_epi_auto)
-EPX_DECLARE_FORWARD_TRIAL(forward_trial_noc_epi128x64)
-EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_noc_epi128x64)
 #undef EPX_DECLARE_FORWARD_TRIAL
 
 const ForwardTrial* forward_trials(int& count) {
@@ -25,10 +25,10 @@ const ForwardTrial* forward_trials(int& count) {
       {"cooperative_cluster1x2", false, forward_trial_cluster1x2},
       {"cooperative_cluster2x1", true, dgrad_trial_cluster2x1},
       {"cooperative_cluster1x2", true, dgrad_trial_cluster1x2},
+      {"cooperative_with_source", false, forward_trial_with_source},
+      {"cooperative_with_source", true, dgrad_trial_with_source},
       {"cooperative_noc_epi_auto", false, forward_trial_noc_epi_auto},
       {"cooperative_noc_epi_auto", true, dgrad_trial_noc_epi_auto},
-      {"cooperative_noc_epi128x64", false, forward_trial_noc_epi128x64},
-      {"cooperative_noc_epi128x64", true, dgrad_trial_noc_epi128x64},
   };
   count = static_cast<int>(sizeof(trials) / sizeof(trials[0]));
   return trials;
