@@ -15,6 +15,10 @@ EPX_DECLARE_FORWARD_TRIAL(forward_trial_with_source)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_with_source)
 EPX_DECLARE_FORWARD_TRIAL(forward_trial_noc_epi_auto)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_noc_epi_auto)
+EPX_DECLARE_FORWARD_TRIAL(forward_trial_pingpong)
+EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_pingpong)
+EPX_DECLARE_FORWARD_TRIAL(forward_trial_pingpong_noc_c21)
+EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_pingpong_noc_c21)
 #undef EPX_DECLARE_FORWARD_TRIAL
 
 const ForwardTrial* forward_trials(int& count) {
@@ -29,6 +33,10 @@ const ForwardTrial* forward_trials(int& count) {
       {"cooperative_with_source", true, dgrad_trial_with_source},
       {"cooperative_noc_epi_auto", false, forward_trial_noc_epi_auto},
       {"cooperative_noc_epi_auto", true, dgrad_trial_noc_epi_auto},
+      {"pingpong", false, forward_trial_pingpong},
+      {"pingpong", true, dgrad_trial_pingpong},
+      {"pingpong_noc_c21", false, forward_trial_pingpong_noc_c21},
+      {"pingpong_noc_c21", true, dgrad_trial_pingpong_noc_c21},
   };
   count = static_cast<int>(sizeof(trials) / sizeof(trials[0]));
   return trials;
