@@ -89,20 +89,45 @@ TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
   grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx_ref);
   grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
   Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-  Tensor y = to_gpu(Tensor::full({L.total + 5, N}, DType::kBF16, 7.0));
-  Tensor dx = to_gpu(Tensor::full({L.total + 5, K}, DType::kBF16, 7.0));
+  // The forward and dgrad on both schedules (EPX_GEMM_FORWARD_KERNEL, read at every call): each
+  // matches the reference, and ping-pong's bits are cooperative's (the same MMAs per output tile).
+  Tensor y_first, dx_first;
+  for (const char* schedule : {"cooperative", "pingpong"}) {
+    SCOPED_TRACE(schedule);
+    const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", schedule);
+    Tensor y = to_gpu(Tensor::full({L.total + 5, N}, DType::kBF16, 7.0));
+    Tensor dx = to_gpu(Tensor::full({L.total + 5, K}, DType::kBF16, 7.0));
+    grouped_gemm_forward(to_gpu(x), to_gpu(w), off, rows, y);
+    grouped_gemm_dgrad(to_gpu(dy), to_gpu(w), off, rows, dx);
+    const TensorRef used_y = y.ref().slice_rows(0, L.total), used_dx = dx.ref().slice_rows(0, L.total);
+    EXPECT_LT(rel_err(used_y, y_ref.ref().slice_rows(0, L.total)), 1e-2);
+    EXPECT_LT(rel_err(used_dx, dx_ref.ref().slice_rows(0, L.total)), 1e-2);
+    // rows past offsets[G] keep their contents; padding rows are zero
+    Tensor yh = to_host(y), dxh = to_host(dx);
+    for (int64_t i = L.total * N; i < (L.total + 5) * N; ++i) ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
+    for (int64_t i = L.total * K; i < (L.total + 5) * K; ++i) ASSERT_EQ(dxh.item(i), 7.0) << "dgrad row past the layout";
+    for (int64_t r = 37; r < 48; ++r) ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
+    if (y_first.defined()) {
+      EXPECT_TRUE(testing::bit_equal(yh, y_first)) << "forward, ping-pong against cooperative";
+      EXPECT_TRUE(testing::bit_equal(dxh, dx_first)) << "dgrad, ping-pong against cooperative";
+    } else {
+      y_first = yh;
+      dx_first = dxh;
+    }
+  }
+  {
+    const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", "sideways");
+    Tensor y = to_gpu(Tensor::zeros({L.total + 5, N}, DType::kBF16));
+    try {
+      grouped_gemm_forward(to_gpu(x), to_gpu(w), off, rows, y);
+      ADD_FAILURE() << "an unknown EPX_GEMM_FORWARD_KERNEL was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("EPX_GEMM_FORWARD_KERNEL"), std::string::npos) << e.what();
+    }
+  }
   Tensor dw = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
-  grouped_gemm_forward(to_gpu(x), to_gpu(w), off, rows, y);
-  grouped_gemm_dgrad(to_gpu(dy), to_gpu(w), off, rows, dx);
   grouped_gemm_wgrad(to_gpu(x), to_gpu(dy), off, rows, dw);
-  const TensorRef used_y = y.ref().slice_rows(0, L.total), used_dx = dx.ref().slice_rows(0, L.total);
-  EXPECT_LT(rel_err(used_y, y_ref.ref().slice_rows(0, L.total)), 1e-2);
-  EXPECT_LT(rel_err(used_dx, dx_ref.ref().slice_rows(0, L.total)), 1e-2);
   EXPECT_LT(rel_err(dw, dw_ref), 1e-2);
-  // rows past offsets[G] keep their contents; padding rows are zero
-  Tensor yh = to_host(y);
-  for (int64_t i = L.total * N; i < (L.total + 5) * N; ++i) ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
-  for (int64_t r = 37; r < 48; ++r) ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
   Tensor dwh = to_host(dw);
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(dwh.item(i), 0.0) << "empty expert's gradient must be zero";
 }

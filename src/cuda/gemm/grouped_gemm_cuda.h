@@ -29,6 +29,19 @@ void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t
                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+/// The forward's and dgrad's schedule: EPX_GEMM_FORWARD_KERNEL=auto (default) | cooperative | pingpong,
+/// read at every call (tests and benchmarks switch it). auto: ping-pong 128x128 tiles where the
+/// contraction is at most 2048 deep and groups average at least 1024 rows of capacity (one warp
+/// group's epilogue runs under the other's MMAs: 1.07-1.09x the cooperative kernel at 32 x 1024 rows,
+/// K = 2048, N = 7168 on an H200, bit-identical), cooperative 128x256 tiles elsewhere (ping-pong was
+/// level at 256 rows a group, 0.94x with Zipf-skewed groups and 0.85x at decode).
+enum class ForwardGemmSchedule { kCooperative, kPingpong };
+ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups);
+/// The forward and dgrad on the ping-pong schedule (the arguments as above).
+void grouped_forward_bf16_pingpong(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
+                                   int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
+void grouped_dgrad_bf16_pingpong(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+                                 const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 /// Wgrad: out_g [K, N] = a_g^T . d_g over each group's rows, fp32 accumulation. beta 0 overwrites
 /// out (groups without rows are not written); beta 1 adds to what out holds (gradient accumulation:
 /// groups without rows keep it).

@@ -7,9 +7,10 @@ namespace epx::cuda {
 
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
-  (void)total_rows;
+  if (forward_gemm_schedule(K, total_rows, groups) == ForwardGemmSchedule::kPingpong)
+    return grouped_dgrad_bf16_pingpong(a, b, out, ld_out, K, N, offsets, rows, groups, stream);
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                                    grouped::CooperativeOverwrite>;
+                             grouped::CooperativeOverwrite>;
   grouped::run<Kn, cutlass::bfloat16_t>(1, grouped::Mode::kDgrad, a, b, static_cast<cutlass::bfloat16_t*>(out), ld_out,
                                         0, K, N, 0.0f, offsets, rows, groups, stream);
 }

@@ -1,13 +1,31 @@
-// Forward: out [rows, N] bf16 = a [rows, K] . w_g [K, N] (both row-major).
+// Forward: out [rows, N] bf16 = a [rows, K] . w_g [K, N] (both row-major), and the choice between the
+// forward's and dgrad's schedules.
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
+#include "epx/error.h"
 
 namespace epx::cuda {
 
+ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups) {
+  const char* v = std::getenv("EPX_GEMM_FORWARD_KERNEL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0)
+    return contraction <= 2048 && groups > 0 && row_capacity >= 1024 * static_cast<int64_t>(groups)
+               ? ForwardGemmSchedule::kPingpong
+               : ForwardGemmSchedule::kCooperative;
+  if (std::strcmp(v, "cooperative") == 0) return ForwardGemmSchedule::kCooperative;
+  if (std::strcmp(v, "pingpong") == 0) return ForwardGemmSchedule::kPingpong;
+  throw Error(Status::kInvalidArgument,
+              detail::concat("epx: EPX_GEMM_FORWARD_KERNEL is \"", v, "\", expected auto, cooperative or pingpong"));
+}
+
 void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
-  (void)total_rows;
+  if (forward_gemm_schedule(K, total_rows, groups) == ForwardGemmSchedule::kPingpong)
+    return grouped_forward_bf16_pingpong(a, b, out, ld_out, K, N, offsets, rows, groups, stream);
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t,
-                                    grouped::CooperativeOverwrite>;
+                             grouped::CooperativeOverwrite>;
   grouped::run<Kn, cutlass::bfloat16_t>(0, grouped::Mode::kForward, a, b, static_cast<cutlass::bfloat16_t*>(out), ld_out,
                                         0, K, N, 0.0f, offsets, rows, groups, stream);
 }

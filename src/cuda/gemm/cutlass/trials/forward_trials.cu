@@ -15,6 +15,8 @@ EPX_DECLARE_FORWARD_TRIAL(forward_trial_with_source)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_with_source)
 EPX_DECLARE_FORWARD_TRIAL(forward_trial_noc_epi_auto)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_noc_epi_auto)
+EPX_DECLARE_FORWARD_TRIAL(forward_trial_cooperative)
+EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_cooperative)
 EPX_DECLARE_FORWARD_TRIAL(forward_trial_pingpong)
 EPX_DECLARE_FORWARD_TRIAL(dgrad_trial_pingpong)
 EPX_DECLARE_FORWARD_TRIAL(forward_trial_pingpong_noc_c21)
@@ -33,6 +35,8 @@ const ForwardTrial* forward_trials(int& count) {
       {"cooperative_with_source", true, dgrad_trial_with_source},
       {"cooperative_noc_epi_auto", false, forward_trial_noc_epi_auto},
       {"cooperative_noc_epi_auto", true, dgrad_trial_noc_epi_auto},
+      {"cooperative", false, forward_trial_cooperative},
+      {"cooperative", true, dgrad_trial_cooperative},
       {"pingpong", false, forward_trial_pingpong},
       {"pingpong", true, dgrad_trial_pingpong},
       {"pingpong_noc_c21", false, forward_trial_pingpong_noc_c21},
