@@ -492,6 +492,10 @@ int main(int argc, char** argv) {
     // The DeepSeek-V3 layer on 2 GPUs: 128 local experts, ~256 rows each; stacked FC1 (N = 2F) and FC2.
     run("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, hbm, true);
     run("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, hbm, true);
+    if (g_forward_only) {  // the one-GPU DeepSeek-V3 layer's shapes too: all 256 experts, ~128 rows each
+      run("dsv3_fc1_256x128_k7168_n4096", std::vector<int>(256, 128), 7168, 4096, hbm, true);
+      run("dsv3_fc2_256x128_k2048_n7168", std::vector<int>(256, 128), 2048, 7168, hbm, true);
+    }
     if (g_fp8_only || g_forward_only) return 0;
     run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096);
     run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168);
