@@ -200,7 +200,9 @@ if has fp8; then
   # candidates in one interleaved contest per shape (fp8.jsonl).
   timeout 600 "$BUILD/tests/epx_tests_gpu" --gtest_filter='GroupedGemmGpu.Fp8*:ExpertMlpGpu.Fp8*:MoELayerGpu.*Fp8*' \
     >"$OUT/fp8_tests.log" 2>&1
-  summary "fp8 tests: rc=$? $(grep -E '^\[  PASSED' "$OUT/fp8_tests.log" | head -1) $(grep -E '^\[  FAILED  \] [0-9]+ test' "$OUT/fp8_tests.log" | head -1)"
+  rc=$?
+  summary "fp8 tests: rc=$rc $(grep -E '^\[  PASSED' "$OUT/fp8_tests.log" | head -1)" \
+    "$(grep -E '^\[  FAILED  \] [0-9]+ test' "$OUT/fp8_tests.log" | head -1)"
   grep -E "Failure" -A6 "$OUT/fp8_tests.log" | head -40
   if command -v compute-sanitizer >/dev/null 2>&1; then
     timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/epx_tests_gpu" \
@@ -211,8 +213,8 @@ if has fp8; then
     summary "fp8: bench_grouped_gemm --fp8 failed rc=$?"
   summary "fp8: $(wc -l <"$OUT/fp8.jsonl") JSON lines"
   # schedule, case, speed-up over bf16, elements differing from cooperative
-  sed -E 's/.*"elements_differing_from_cooperative":(-?[0-9]+).*"schedule":"([^"]*)","case":"([^"]*)".*"speedup_vs_bf16":([0-9.]+).*/\3 \2 \4x bf16, \1 differing/' \
-    "$OUT/fp8.jsonl" | tee -a "$OUT/summary.txt"
+  rx='.*"elements_differing_from_cooperative":(-?[0-9]+).*"schedule":"([^"]*)","case":"([^"]*)"'
+  sed -E "s/$rx"'.*"speedup_vs_bf16":([0-9.]+).*/\3 \2 \4x bf16, \1 differing/' "$OUT/fp8.jsonl" | tee -a "$OUT/summary.txt"
 fi
 
 if has forward; then
@@ -222,8 +224,9 @@ if has forward; then
     summary "forward: bench_grouped_gemm --forward failed rc=$?"
   summary "forward: $(wc -l <"$OUT/forward.jsonl") JSON lines"
   # case, op, schedule, shipped time over the candidate's, elements differing from the shipped kernel
-  sed -E 's/.*"op":"grouped_gemm_([a-z]+)_kernel","case":"([^"]*)","schedule":"([^"]*)".*"shipped_over_trial_time":([0-9.]+)(,"elements_differing_from_shipped":([0-9]+))?.*/\2 \1 \3 \4 \6/' \
-    "$OUT/forward.jsonl" | tee -a "$OUT/summary.txt"
+  rx='.*"op":"grouped_gemm_([a-z]+)_kernel","case":"([^"]*)","schedule":"([^"]*)".*"shipped_over_trial_time":'
+  rx+='([0-9.]+)(,"elements_differing_from_shipped":([0-9]+))?.*'
+  sed -E "s/$rx/\2 \1 \3 \4 \6/" "$OUT/forward.jsonl" | tee -a "$OUT/summary.txt"
 fi
 
 if has mptests; then

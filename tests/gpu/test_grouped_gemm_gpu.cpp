@@ -104,8 +104,10 @@ TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
     EXPECT_LT(rel_err(used_dx, dx_ref.ref().slice_rows(0, L.total)), 1e-2);
     // rows past offsets[G] keep their contents; padding rows are zero
     Tensor yh = to_host(y), dxh = to_host(dx);
-    for (int64_t i = L.total * N; i < (L.total + 5) * N; ++i) ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
-    for (int64_t i = L.total * K; i < (L.total + 5) * K; ++i) ASSERT_EQ(dxh.item(i), 7.0) << "dgrad row past the layout";
+    for (int64_t i = L.total * N; i < (L.total + 5) * N; ++i)
+      ASSERT_EQ(yh.item(i), 7.0) << "row past the layout written";
+    for (int64_t i = L.total * K; i < (L.total + 5) * K; ++i)
+      ASSERT_EQ(dxh.item(i), 7.0) << "dgrad row past the layout written";
     for (int64_t r = 37; r < 48; ++r) ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
     if (y_first.defined()) {
       EXPECT_TRUE(testing::bit_equal(yh, y_first)) << "forward, ping-pong against cooperative";
