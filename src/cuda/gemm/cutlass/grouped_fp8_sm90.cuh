@@ -74,11 +74,6 @@ struct CooperativeEpilogueTile : Cooperative {
   static constexpr int kCacheId = kId;
 };
 
-template <class S, class = void>
-struct OverlapsPromotion : std::false_type {};
-template <class S>
-struct OverlapsPromotion<S, std::void_t<decltype(S::kOverlapPromotion)>> : std::bool_constant<S::kOverlapPromotion> {};
-
 template <class Schedule>
 struct Fp8Parts {
   using ElementA = cutlass::float_e4m3_t;
@@ -100,7 +95,7 @@ struct Fp8Parts {
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<OverlapsPromotion<Schedule>::value, OverlappedPromotionMainloop<BuiltMainloop>,
+  using Mainloop = std::conditional_t<Schedule::kOverlapPromotion, OverlappedPromotionMainloop<BuiltMainloop>,
                                       BuiltMainloop>;
 };
 
