@@ -27,7 +27,6 @@
 #include "epx/quant.h"
 #ifdef EPX_GEMM_TRIALS
 #include "cuda/gemm/cutlass/trials/forward_trials.h"
-#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
 #include "cuda/gemm/cutlass/trials/wgrad_trials.h"
 #endif
 #include "moe/elementwise.h"
@@ -60,6 +59,12 @@ const std::vector<TileOrderSetting> kTileOrders = {{"m", "1"}, {"n", "1"}, {"m",
 #else
 const std::vector<TileOrderSetting> kTileOrders = {{nullptr, nullptr}};
 #endif
+
+// The orders a contest runs the kernels under: every one, or only the first (the --fp8 and --forward
+// modes).
+std::vector<TileOrderSetting> contest_tile_orders(bool first_only) {
+  return first_only ? std::vector<TileOrderSetting>{kTileOrders.front()} : kTileOrders;
+}
 
 // A null setting leaves the environment alone: each kernel's own order, or the caller's override.
 struct ScopedTileOrder {
@@ -128,22 +133,16 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   // The bf16 forward and every schedule of the FP8 kernel (EPX_FP8_GEMM_KERNEL is read at every call;
   // a trials build adds the candidates and the tile orders) in one interleaved contest, so the
   // speedup compares them at the same sustained clock.
-  std::vector<const char*> schedules = {"cooperative", "pingpong"};
-#ifdef EPX_GEMM_TRIALS
-  int trial_count = 0;
-  const cuda::Fp8ForwardTrial* trials = cuda::fp8_forward_trials(trial_count);
-  for (int i = 0; i < trial_count; ++i) schedules.push_back(trials[i].name);
-#endif
+  const std::vector<const char*> schedules = cuda::fp8_gemm_schedule_names();
   struct Entry {
-    const char* schedule;
+    size_t schedule;  // index into schedules
     TileOrderSetting order;
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y_bf16); }};
-  const std::vector<TileOrderSetting> orders =
-      g_fp8_only ? std::vector<TileOrderSetting>{kTileOrders.front()} : kTileOrders;
-  for (const TileOrderSetting& order : orders)
-    for (const char* schedule : schedules) {
+  for (const TileOrderSetting& order : contest_tile_orders(g_fp8_only))
+    for (size_t si = 0; si < schedules.size(); ++si) {
+      const char* schedule = schedules[si];
       try {  // one schedule failing must not hide the other lines
         const ScopedTileOrder scoped_order(order);
         const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
@@ -155,7 +154,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
         add_tile_order(j, order).add("error", e.what()).print();
         continue;
       }
-      entries.push_back({schedule, order});
+      entries.push_back({si, order});
       fns.push_back([&, schedule, order] {
         const ScopedTileOrder scoped_order(order);
         const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
@@ -184,14 +183,10 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
     }
   }
   for (size_t e = 0; e < entries.size(); ++e) {
-    const size_t si = static_cast<size_t>(
-        std::find_if(schedules.begin(), schedules.end(),
-                     [&](const char* sname) { return std::strcmp(sname, entries[e].schedule) == 0; }) -
-        schedules.begin());
     JsonLine j;
     j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
-        .add("elements_differing_from_cooperative", si < differ.size() ? differ[si] : -1)
-        .add("schedule", entries[e].schedule).add("case", name).add("groups", G)
+        .add("elements_differing_from_cooperative", differ[entries[e].schedule])
+        .add("schedule", schedules[entries[e].schedule]).add("case", name).add("groups", G)
         .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K))
         .add("N", static_cast<long long>(N)).add("time_us", t[e + 1]).add("tflops", flops / t[e + 1] * 1e-6)
         .add("bf16_time_us", t[0]).add("speedup_vs_bf16", t[0] / t[e + 1]).add("target_speedup", 1.6)
@@ -238,9 +233,7 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns;
-  const std::vector<TileOrderSetting> orders =
-      g_forward_only ? std::vector<TileOrderSetting>{kTileOrders.front()} : kTileOrders;
-  for (const TileOrderSetting& order : orders) {
+  for (const TileOrderSetting& order : contest_tile_orders(g_forward_only)) {
     entries.push_back({-1, order});
     fns.push_back([&, order] {
       const ScopedTileOrder scoped_order(order);

@@ -12,9 +12,6 @@
 
 #include "core/scoped_env.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
-#ifdef EPX_GEMM_TRIALS
-#include "cuda/gemm/cutlass/trials/fp8_forward_trials.h"
-#endif
 #include "epx/comm.h"
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
@@ -293,12 +290,7 @@ TEST(GroupedGemmGpu, AccumulatingWgradAddsToTheOldGradient) {
 TEST(GroupedGemmGpu, Fp8BlockwiseForwardMatchesReference) {
   EPX_REQUIRE_GROUPED();
   const int64_t N = 384;
-  std::vector<const char*> schedules = {"cooperative", "pingpong"};
-#ifdef EPX_GEMM_TRIALS
-  int trial_count = 0;
-  const cuda::Fp8ForwardTrial* trials = cuda::fp8_forward_trials(trial_count);
-  for (int i = 0; i < trial_count; ++i) schedules.push_back(trials[i].name);
-#endif
+  const std::vector<const char*> schedules = cuda::fp8_gemm_schedule_names();
   // K from one to five 128-deep blocks: the promotion-overlapping mainloop pairs them up.
   const std::vector<std::pair<int64_t, std::vector<int>>> cases = {
       {256, {37, 0, 1, 130, 16, 0, 9}}, {256, {0, 300, 0, 1}}, {128, {5, 140, 0}}, {384, {200, 1, 0, 64}},

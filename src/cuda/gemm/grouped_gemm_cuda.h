@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "epx/tensor.h"
 
@@ -110,6 +111,9 @@ void grouped_forward_fp8_blockwise_pingpong(const void* a, const float* a_scales
 /// promotion's contest).
 enum class Fp8GemmSchedule { kCooperative, kPingpong };
 Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups);
+/// Every value of EPX_FP8_GEMM_KERNEL besides auto: the shipped schedules, then, in a build with
+/// -DEPX_GEMM_TRIALS=ON, the candidate kernels' names (tests and benchmarks run each).
+std::vector<const char*> fp8_gemm_schedule_names();
 
 /// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=auto (the default)
 /// |cooperative|pingpong|cluster|nosource|pingpong_nosource, read once. cluster = cooperative 2x1

@@ -63,5 +63,6 @@ void grouped_forward_fp8_blockwise_pingpong(const void*, const float*, const voi
   unavailable();
 }
 Fp8GemmSchedule fp8_gemm_schedule(int64_t, int) { return Fp8GemmSchedule::kCooperative; }
+std::vector<const char*> fp8_gemm_schedule_names() { return {"cooperative", "pingpong"}; }
 
 }  // namespace epx::cuda

@@ -23,6 +23,16 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups) {
               detail::concat("epx: EPX_FP8_GEMM_KERNEL is \"", v, "\", expected auto, cooperative or pingpong"));
 }
 
+std::vector<const char*> fp8_gemm_schedule_names() {
+  std::vector<const char*> names = {"cooperative", "pingpong"};
+#ifdef EPX_GEMM_TRIALS
+  int count = 0;
+  const Fp8ForwardTrial* trials = fp8_forward_trials(count);
+  for (int i = 0; i < count; ++i) names.push_back(trials[i].name);
+#endif
+  return names;
+}
+
 void grouped_forward_fp8_blockwise(const void* a, const float* a_scales, const void* bt, const float* b_scales,
                                    void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                    const int32_t* rows, int groups, int64_t row_capacity, Stream stream) {
