@@ -46,6 +46,7 @@ Tensor device_random(Shape s, DType dt, uint32_t seed, double scale) {
 struct LayoutD {
   Tensor offsets, rows;
   int64_t total = 0;
+  int64_t row_align = 1;  // every offset is a multiple of it (128 when groups start on 128-row blocks)
 };
 
 // The tile orders of the persistent scheduler (EPX_GEMM_RASTER, EPX_GEMM_SWIZZLE) a trials build times
@@ -81,16 +82,20 @@ JsonLine& add_tile_order(JsonLine& j, const TileOrderSetting& o) {
   return j;
 }
 
-LayoutD layout(const std::vector<int>& sizes) {
+// Groups of the given sizes, each padded to a multiple of `align` rows.
+LayoutD layout(const std::vector<int>& sizes, int align = 1) {
   LayoutD L;
   const int G = static_cast<int>(sizes.size());
   Tensor o = Tensor::empty({G + 1}, DType::kI32), r = Tensor::empty({G}, DType::kI32);
   int64_t at = 0;
+  bool blocks = true;
   for (int g = 0; g < G; ++g) {
     o.ptr<int32_t>()[g] = static_cast<int32_t>(at);
     r.ptr<int32_t>()[g] = sizes[g];
-    at += sizes[g];
+    blocks = blocks && at % 128 == 0;
+    at += (sizes[g] + align - 1) / align * align;
   }
+  L.row_align = blocks ? 128 : 1;
   o.ptr<int32_t>()[G] = static_cast<int32_t>(at);
   L.offsets = o.to(Device::cuda(0));
   L.rows = r.to(Device::cuda(0));
@@ -146,7 +151,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
       try {  // one schedule failing must not hide the other lines
         const ScopedTileOrder scoped_order(order);
         const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
-        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
+        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y, {}, L.row_align);
         EPX_CUDA_CHECK(cudaDeviceSynchronize());
       } catch (const Error& e) {
         JsonLine j;
@@ -158,7 +163,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
       fns.push_back([&, schedule, order] {
         const ScopedTileOrder scoped_order(order);
         const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
-        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
+        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y, {}, L.row_align);
       });
     }
   const std::vector<double> t = bench::time_interleaved(fns);
@@ -167,7 +172,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   {
     auto output_of = [&](const char* schedule) {
       const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
-      grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y);
+      grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y, {}, L.row_align);
       return y.to(Device::cpu());
     };
     const Tensor want = output_of("cooperative");
@@ -187,6 +192,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
     j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
         .add("elements_differing_from_cooperative", differ[entries[e].schedule])
         .add("schedule", schedules[entries[e].schedule]).add("case", name).add("groups", G)
+        .add("row_align", static_cast<long long>(L.row_align))
         .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K))
         .add("N", static_cast<long long>(N)).add("time_us", t[e + 1]).add("tflops", flops / t[e + 1] * 1e-6)
         .add("bf16_time_us", t[0]).add("speedup_vs_bf16", t[0] / t[e + 1]).add("target_speedup", 1.6)
@@ -264,12 +270,15 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
 // shape dgrad and wgrad (fp32 and bf16 gradients), timed in one interleaved contest
 // (time_interleaved) so every ratio compares them at the same sustained clock; then the candidates
 // (trials build) and the FP8 forward.
-void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward) {
-  const LayoutD L = layout(sizes);
+void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward,
+         int align = 1) {
+  const LayoutD L = layout(sizes, align);
   const int G = static_cast<int>(sizes.size());
   Tensor x = device_random({L.total, K}, DType::kBF16, 1, 1.0), w = device_random({G, K, N}, DType::kBF16, 2, 0.02);
   Tensor y = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
-  const double flops = 2.0 * L.total * K * N;
+  int64_t real_rows = 0;  // padding rows are computed, not counted
+  for (int n : sizes) real_rows += n;
+  const double flops = 2.0 * real_rows * K * N;
   if (g_fp8_only) return run_fp8(name, L, x, w, y, K, N, flops, hbm);
 #ifdef EPX_GEMM_TRIALS
   if (g_forward_only) {
@@ -479,13 +488,15 @@ int main(int argc, char** argv) {
     const double hbm = bench::measure_hbm_bytes_per_s();
     run("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048, hbm, true);
     run("zipf_32_k7168_n2048", zipf_sizes(32, 32768, 1.2), 7168, 2048, hbm, false);
+    // The same groups padded to 128-row blocks (a dispatch with align = 128): the contiguous FP8 kernel.
+    if (g_fp8_only) run("zipf_32_align128_k7168_n2048", zipf_sizes(32, 32768, 1.2), 7168, 2048, hbm, false, 128);
     run("32x1024_k2048_n7168", std::vector<int>(32, 1024), 2048, 7168, hbm, false);
     run("8x4096_k4096_n14336", std::vector<int>(8, 4096), 4096, 14336, hbm, false);
     run("decode_32x16_k7168_n2048", std::vector<int>(32, 16), 7168, 2048, hbm, false);
     // The DeepSeek-V3 layer on 2 GPUs: 128 local experts, ~256 rows each; stacked FC1 (N = 2F) and FC2.
     run("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, hbm, true);
     run("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, hbm, true);
-    if (g_forward_only) {  // the one-GPU DeepSeek-V3 layer's shapes too: all 256 experts, ~128 rows each
+    if (g_forward_only || g_fp8_only) {  // the one-GPU DeepSeek-V3 layer's shapes too: 256 experts, ~128 rows each
       run("dsv3_fc1_256x128_k7168_n4096", std::vector<int>(256, 128), 7168, 4096, hbm, true);
       run("dsv3_fc2_256x128_k2048_n7168", std::vector<int>(256, 128), 2048, 7168, hbm, true);
     }

@@ -206,7 +206,7 @@ if has fp8; then
   grep -E "Failure" -A6 "$OUT/fp8_tests.log" | head -40
   if command -v compute-sanitizer >/dev/null 2>&1; then
     timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/epx_tests_gpu" \
-      --gtest_filter='GroupedGemmGpu.Fp8BlockwiseForwardMatchesReference' >"$OUT/fp8_memcheck.log" 2>&1
+      --gtest_filter='GroupedGemmGpu.Fp8BlockwiseForwardMatchesReference:GroupedGemmGpu.Fp8ContiguousGroupsMatchCooperative' >"$OUT/fp8_memcheck.log" 2>&1
     summary "fp8 memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/fp8_memcheck.log" | tail -1)"
   fi
   timeout "${GEMM_TIMEOUT:-400}" "$BUILD/bin/bench_grouped_gemm" --fp8 >"$OUT/fp8.jsonl" 2>>"$OUT/gemm.err" ||

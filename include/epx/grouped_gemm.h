@@ -64,10 +64,13 @@ void quantize_grouped_weights_fp8(const TensorRef& w, const TensorRef& w_q, cons
 /// e4m3 values are summed in fp32, the block sum is multiplied by the product of the two block
 /// scales and added to an fp32 total, rounded once. The tensor cores' block sums keep fewer bits
 /// than fp32 (Hopper's FP8 MMA), so GPU and reference agree to a relative ~1e-3, not bit for bit.
-/// Padding rows of y are zeros. K and N multiples of 128.
+/// Padding rows of y are zeros. K and N multiples of 128. row_align: what the caller guarantees of
+/// the layout, every offsets[j] a multiple of it; with a multiple of 128 the GPU runs one GEMM over
+/// all rows whose tiles each load their group's weights (no per-group setup inside the kernel; the
+/// same results). A wrong guarantee gives wrong rows, never a write outside y.
 void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
-                              const TensorRef& y, Stream stream = {});
+                              const TensorRef& y, Stream stream = {}, int64_t row_align = 1);
 
 /// The FP8 copies of an expert FFN's weights that MlpTensors::w_in_q ... take (its FP8 block
 /// forward's operands): w_in [G, H, P, F] as [G, H, P*F] and w_out [G, F, H], each through
@@ -141,6 +144,10 @@ struct MlpTensors {
   /// (shapes: fp8_expert_weight_shapes). The GPU forward then skips quantizing the weights on every call
   /// (the CPU reference always quantizes w_in / w_out itself): they MUST be the current weights'.
   TensorRef w_in_q, w_in_q_scales, w_out_q, w_out_q_scales;
+  /// What the caller guarantees of the layout: every offsets[j] is a multiple of it (dispatch's
+  /// align). A multiple of 128 lets the GPU FP8 forward run one GEMM over all rows
+  /// (grouped_gemm_forward_fp8); the results are the same.
+  int64_t row_align = 1;
 };
 
 /// Gradients of the expert FFN, all OVERWRITTEN. d_y and d_x have x's dtype; d_x and d_row_weights

@@ -121,6 +121,7 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
           "config.precision is ", mlp_precision_name(c.precision), ", which needs bf16, fp16 or fp32 data, not fp64");
   d.P = is_gated(c.activation) ? 2 : 1;
   d.G = check_layout(fn, t.offsets, t.rows);
+  require(t.row_align >= 1, fn, "row_align is ", t.row_align, ", expected >= 1");
   check_tensor(fn, "w_in", t.w_in, {d.G, d.H, -1, -1}, {dt});
   d.F = t.w_in.size(3);
   require(t.w_in.size(2) == d.P, fn, "w_in has shape ", t.w_in.shape().str(), ", expected [", d.G, ", ", d.H, ", ",
@@ -253,8 +254,9 @@ void quantize_expert_weights_fp8(const TensorRef& w_in, const TensorRef& w_out, 
 
 void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
-                              const TensorRef& y, Stream stream) {
+                              const TensorRef& y, Stream stream, int64_t row_align) {
   const char* fn = "epx::grouped_gemm_forward_fp8";
+  require(row_align >= 1, fn, "row_align is ", row_align, ", expected >= 1");
   check_tensor(fn, "x_q", x_q, {-1, -1}, {DType::kF8E4M3});
   const int64_t R = x_q.size(0), K = x_q.size(1);
   const int64_t G = check_layout(fn, offsets, rows);
@@ -271,10 +273,13 @@ void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, c
   if (x_q.device().is_cuda()) {
     require_status(y.dtype() == DType::kBF16, Status::kNotSupported, fn, "y has dtype ", dtype_name(y.dtype()),
                    "; the GPU FP8 grouped GEMM writes bf16");
-    return cuda::grouped_forward_fp8_cuda(x_q, x_scales, w_q, w_scales, offsets, rows, y, stream);
+    return cuda::grouped_forward_fp8_cuda(x_q, x_scales, w_q, w_scales, offsets, rows, y, stream, row_align);
   }
 #endif
   require_host(fn, x_q.device());
+  for (int64_t j = 0; j < G; ++j)  // the host can check the guarantee the GPU path relies on
+    require(offsets.ptr<int32_t>()[j] % row_align == 0, fn, "offsets[", j, "] is ", offsets.ptr<int32_t>()[j],
+            ", not a multiple of row_align = ", row_align);
   ref::grouped_gemm_forward_fp8(x_q, x_scales, w_q, w_scales, offsets, rows, y);
 }
 

@@ -252,6 +252,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
                 c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
                 params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
+  mt.row_align = group_.config().align;
   if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda()) {
     if (!fp8_w_in_q_.defined()) refresh_fp8_weights(stream);
     mt.w_in_q = fp8_w_in_q_;

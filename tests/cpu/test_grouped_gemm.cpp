@@ -494,5 +494,18 @@ TEST(GroupedGemmFp8, ValidatesShapesAndDtypes) {
             "straddle two projections)");
 }
 
+// The CPU path checks the layout alignment a caller promises (the GPU FP8 path relies on it).
+TEST(GroupedGemmFp8, RowAlignIsChecked) {
+  const Layout L = make_layout({4, 3}, 16, 0);
+  Tensor x_q = Tensor::zeros({32, 128}, DType::kF8E4M3), y = Tensor::zeros({32, 128}, DType::kF32);
+  Tensor x_s = Tensor::zeros({32, 1}, DType::kF32), w_q = Tensor::zeros({2, 128, 128}, DType::kF8E4M3);
+  Tensor w_s = Tensor::zeros({2, 1, 1}, DType::kF32);
+  EXPECT_NO_THROW(grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets_t, L.rows_t, y, {}, 16));
+  EXPECT_EQ(what_of([&] { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets_t, L.rows_t, y, {}, 128); }),
+            "epx::grouped_gemm_forward_fp8: offsets[1] is 16, not a multiple of row_align = 128");
+  EXPECT_EQ(what_of([&] { grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets_t, L.rows_t, y, {}, 0); }),
+            "epx::grouped_gemm_forward_fp8: row_align is 0, expected >= 1");
+}
+
 }  // namespace
 }  // namespace epx

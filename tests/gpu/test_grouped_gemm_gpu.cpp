@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -65,6 +66,15 @@ Layout make_layout(const std::vector<int>& sizes, int align) {
   L.offsets.ptr<int32_t>()[G] = static_cast<int32_t>(at);
   L.total = at;
   return L;
+}
+
+std::string what_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return "(no error)";
 }
 
 #define EPX_REQUIRE_GROUPED()                                                                              \
@@ -319,6 +329,16 @@ TEST(GroupedGemmGpu, Fp8BlockwiseForwardMatchesReference) {
     for (const char* schedule : schedules) {  // EPX_FP8_GEMM_KERNEL is read at every call
       SCOPED_TRACE(schedule);
       Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
+      if (std::strcmp(schedule, "contiguous") == 0) {  // needs 128-row groups: Fp8ContiguousGroups... below
+        const detail::ScopedEnv kernel("EPX_FP8_GEMM_KERNEL", schedule);
+        EXPECT_EQ(what_of([&] {
+                    grouped_gemm_forward_fp8(to_gpu(x_q), to_gpu(x_s), gw_q, gw_s, to_gpu(L.offsets), to_gpu(L.rows),
+                                             y, {}, 16);
+                  }),
+                  "epx::grouped_gemm_forward_fp8: EPX_FP8_GEMM_KERNEL is contiguous, which needs every group to start "
+                  "at a multiple of 128 rows; row_align is 16, expected a multiple of 128");
+        continue;
+      }
       {
         const detail::ScopedEnv kernel("EPX_FP8_GEMM_KERNEL", schedule);
         grouped_gemm_forward_fp8(to_gpu(x_q), to_gpu(x_s), gw_q, gw_s, to_gpu(L.offsets), to_gpu(L.rows), y);
@@ -344,6 +364,61 @@ TEST(GroupedGemmGpu, Fp8BlockwiseForwardMatchesReference) {
              ++r)
           ASSERT_EQ(yh.item(r * N), 0.0) << "padding row " << r;
     }
+  }
+}
+
+// The contiguous FP8 kernel (one GEMM over all rows, groups starting at multiples of 128 rows) does
+// the cooperative kernel's arithmetic on the same 128-row tiles: the same bits on every row, padding
+// zeroed, rows past the layout untouched; auto picks it when the caller promises row_align 128.
+// Layouts: empty groups, single rows, a group of 300 rows between empty ones, one group holding every
+// row, no rows at all, and align 256 (whole padding tiles between groups, computed then zeroed).
+TEST(GroupedGemmGpu, Fp8ContiguousGroupsMatchCooperative) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t N = 384;
+  struct Case {
+    int64_t K;
+    std::vector<int> sizes;
+    int align;
+  };
+  const std::vector<Case> cases = {{256, {37, 0, 1, 130, 16, 0, 9}, 128}, {256, {0, 300, 0, 1}, 128},
+                                   {128, {5, 140, 0}, 128},  {384, {200, 1, 0, 64}, 256},
+                                   {640, {129, 0, 3}, 128},  {256, {1000}, 128},
+                                   {256, {0, 0, 0}, 128}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "K = " << c.K << ", align " << c.align << ", groups " << c.sizes.size());
+    const int64_t K = c.K;
+    const Layout L = make_layout(c.sizes, c.align);
+    const int G = static_cast<int>(L.rows.size(0));
+    const int64_t R = L.total + 5;
+    Tensor x = randn({R, K}, DType::kBF16, 41);
+    for (int64_t r = 0; r < R; r += 5)
+      for (int64_t k = 0; k < K; ++k) store_from_double(x.data(), DType::kBF16, r * K + k, 1e3 * x.item(r * K + k));
+    Tensor x_q = Tensor::empty({R, K}, DType::kF8E4M3), x_s = Tensor::empty({R, K / 128}, DType::kF32);
+    quantize(QuantRecipe::kFp8Block1x128, x, x_q, x_s);
+    Tensor w_q = Tensor::empty({G, N, K}, DType::kF8E4M3), w_s = Tensor::empty({G, K / 128, N / 128}, DType::kF32);
+    quantize_grouped_weights_fp8(randn({G, K, N}, DType::kBF16, 42, 0.05), w_q, w_s);
+    Tensor y_ref = Tensor::zeros({R, N}, DType::kF32);
+    grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y_ref, {}, c.align);
+    const Tensor gx_q = to_gpu(x_q), gx_s = to_gpu(x_s), gw_q = to_gpu(w_q), gw_s = to_gpu(w_s);
+    const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+    auto run = [&](const char* schedule) {
+      Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
+      const detail::ScopedEnv kernel("EPX_FP8_GEMM_KERNEL", schedule);
+      grouped_gemm_forward_fp8(gx_q, gx_s, gw_q, gw_s, off, rows, y, {}, c.align);
+      return to_host(y);
+    };
+    const Tensor want = run("cooperative");
+    const Tensor got = run("contiguous");
+    EXPECT_TRUE(testing::bit_equal(got, want)) << "contiguous against cooperative";
+    EXPECT_TRUE(testing::bit_equal(run("auto"), want)) << "auto with row_align " << c.align;
+    for (int g = 0; g < G; ++g)
+      for (int64_t r = L.offsets.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; ++r)
+        ASSERT_LT(rel_err(got.ref().slice_rows(r, r + 1), y_ref.ref().slice_rows(r, r + 1)), 1e-2)
+            << "group " << g << " row " << r;
+    for (int g = 0; g < G; ++g)
+      for (int64_t r = L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g + 1]; ++r)
+        for (int64_t n = 0; n < N; n += 127) ASSERT_EQ(got.item(r * N + n), 0.0) << "padding row " << r;
+    for (int64_t i = L.total * N; i < R * N; ++i) ASSERT_EQ(got.item(i), 7.0) << "row past the layout written";
   }
 }
 

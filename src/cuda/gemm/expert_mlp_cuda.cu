@@ -334,7 +334,8 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
     quantize_expert_weights_fp8(t.w_in, t.w_out, wi_q, wi_s, wo_q, wo_s, stream);
     detail::phase_mark(stream, "fp8_weights");
   }
-  grouped_forward_fp8_cuda(x_q, x_s, wi_q, wi_s, t.offsets, t.rows, ref_of(t.a.data(), DType::kBF16, {R, PF}), stream);
+  grouped_forward_fp8_cuda(x_q, x_s, wi_q, wi_s, t.offsets, t.rows, ref_of(t.a.data(), DType::kBF16, {R, PF}), stream,
+                           t.row_align);
   detail::phase_mark(stream, "fc1");
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
@@ -346,7 +347,7 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   detail::phase_mark(stream, "act");
   const TensorRef h_q = in_scratch(9, DType::kF8E4M3, {R, F}), h_s = in_scratch(10, DType::kF32, {R, F / 128});
   quantize(QuantRecipe::kFp8Block1x128, ref_of(t.h.data(), DType::kBF16, {R, F}), h_q, h_s, QuantOptions{}, stream);
-  grouped_forward_fp8_cuda(h_q, h_s, wo_q, wo_s, t.offsets, t.rows, t.y, stream);
+  grouped_forward_fp8_cuda(h_q, h_s, wo_q, wo_s, t.offsets, t.rows, t.y, stream, t.row_align);
   detail::phase_mark(stream, "fc2");
 }
 
@@ -505,7 +506,7 @@ void quantize_grouped_weights_fp8_cuda(const TensorRef& w, const TensorRef& w_q,
 
 void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
-                              const TensorRef& y, Stream stream) {
+                              const TensorRef& y, Stream stream, int64_t row_align) {
   require_grouped_gemm("epx::grouped_gemm_forward_fp8");
   const int64_t R = x_q.size(0), K = x_q.size(1), N = y.size(1);
   const int G = static_cast<int>(rows.size(0));
@@ -515,11 +516,20 @@ void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, c
             ", not 16-byte aligned (the tensor memory accelerator loads and stores 16-byte rows)");
   const int32_t* off = offsets.ptr<int32_t>();
   const int32_t* nrows = rows.ptr<int32_t>();
-  // The kernel reads each group's scales M-major from a block of its own.
-  float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128));
-  group_activation_scales(x_scales.ptr<float>(), grouped, R, K / 128, off, nrows, G, stream);
-  grouped_forward_fp8_blockwise(x_q.data(), grouped, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off, nrows,
-                                G, R, stream);
+  if (G > 0 && fp8_gemm_schedule(R, G, row_align) == Fp8GemmSchedule::kContiguous) {
+    // One GEMM over all rows: the scales M-major over every row (128-row blocks).
+    const int64_t padded = (R + 127) / 128 * 128;
+    float* mmajor = scratch<float>(2, static_cast<size_t>(padded) * (K / 128));
+    transpose_activation_scales(x_scales.ptr<float>(), mmajor, R, padded, K / 128, stream);
+    grouped_forward_fp8_contiguous(x_q.data(), mmajor, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off, nrows,
+                                   G, R, stream);
+  } else {
+    // The pointer-array kernels read each group's scales M-major from a block of its own.
+    float* grouped = scratch<float>(2, static_cast<size_t>(R) * (K / 128));
+    group_activation_scales(x_scales.ptr<float>(), grouped, R, K / 128, off, nrows, G, stream);
+    grouped_forward_fp8_blockwise(x_q.data(), grouped, w_q.data(), w_scales.ptr<float>(), y.data(), N, K, N, off,
+                                  nrows, G, R, stream);
+  }
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, off, nrows, G,
                                                                 static_cast<__nv_bfloat16*>(y.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");

@@ -17,6 +17,6 @@ void quantize_grouped_weights_fp8_cuda(const TensorRef& w, const TensorRef& w_q,
                                        Stream stream);
 void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
-                              const TensorRef& y, Stream stream);
+                              const TensorRef& y, Stream stream, int64_t row_align = 1);
 
 }  // namespace epx::cuda

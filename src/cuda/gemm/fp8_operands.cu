@@ -104,6 +104,18 @@ __global__ void group_scales_kernel(const float* __restrict__ rowwise, float* __
   }
 }
 
+// One thread per (k block j, row r), r fastest: the writes are contiguous, the reads strided by
+// k_blocks (a few MB in all, from L2).
+__global__ void transpose_scales_kernel(const float* __restrict__ rowwise, float* __restrict__ mmajor,
+                                        int64_t total_rows, int64_t padded_rows, int64_t kb) {
+  const int64_t n = padded_rows * kb;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = i / padded_rows, r = i % padded_rows;
+    mmajor[i] = r < total_rows ? rowwise[r * kb + j] : 0.0f;
+  }
+}
+
 }  // namespace
 
 void quantize_transpose_weights_fp8(const void* w, DType dtype, int64_t G, int64_t K, int64_t N, void* w_q,
@@ -136,6 +148,15 @@ void group_activation_scales(const float* rowwise, float* grouped, int64_t total
   group_scales_kernel<<<grid, kThreads, 0, to_cuda(stream)>>>(rowwise, grouped, total_rows, k_blocks, offsets, rows,
                                                               groups);
   EPX_CHECK_LAUNCH("group_scales_kernel");
+}
+
+void transpose_activation_scales(const float* rowwise, float* mmajor, int64_t total_rows, int64_t padded_rows,
+                                 int64_t k_blocks, Stream stream) {
+  if (k_blocks == 0 || padded_rows == 0) return;
+  const int64_t n = padded_rows * k_blocks;
+  const int grid = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+  transpose_scales_kernel<<<grid, kThreads, 0, to_cuda(stream)>>>(rowwise, mmajor, total_rows, padded_rows, k_blocks);
+  EPX_CHECK_LAUNCH("transpose_scales_kernel");
 }
 
 }  // namespace epx::cuda

@@ -20,4 +20,9 @@ void quantize_transpose_weights_fp8(const void* w, DType dtype, int64_t G, int64
 void group_activation_scales(const float* rowwise, float* grouped, int64_t total_rows, int64_t k_blocks,
                              const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 
+/// quantize()'s 1x128 scales [total_rows, k_blocks] -> M-major over every row: row r, block j at
+/// mmajor[j * padded_rows + r]; rows from total_rows to padded_rows (>= total_rows) get 0.
+void transpose_activation_scales(const float* rowwise, float* mmajor, int64_t total_rows, int64_t padded_rows,
+                                 int64_t k_blocks, Stream stream);
+
 }  // namespace epx::cuda

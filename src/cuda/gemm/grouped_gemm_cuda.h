@@ -103,14 +103,27 @@ void grouped_forward_fp8_blockwise_pingpong(const void* a, const float* a_scales
                                             const float* b_scales, void* out, int64_t ld_out, int64_t K, int64_t N,
                                             const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 
-/// The FP8 forward's schedule: EPX_FP8_GEMM_KERNEL=cooperative | pingpong | auto (default), read at
-/// every call (tests and benchmarks switch it). auto: ping-pong where a group averages at most 64
-/// rows of capacity (decode: its 64-row tiles waste less of a small group and it streams the weights
-/// 1.3x faster, 136 vs 180 us at 32 x 16 rows, K=7168, N=2048 on an H200), cooperative elsewhere
-/// (1.2-1.4x faster than ping-pong at 256 rows or more per group; 1.25-1.35x in the overlapped
-/// promotion's contest).
-enum class Fp8GemmSchedule { kCooperative, kPingpong };
-Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups);
+/// The same over m-grouped contiguous rows (cutlass/fp8_contiguous_groups_sm90.cuh): one GEMM over
+/// all rows whose 128-row tiles each load their group's weights, no per-group TMA descriptors. Every
+/// group must start at a multiple of 128 rows (offsets[g] % 128 == 0: a layout with align = 128); the
+/// padding rows of y are written (the caller zeroes them), rows from the end of the last group's last
+/// 128-row block on are not. a_scales_mmajor: the 1x128 scales of every row, M-major over
+/// round_up(total_rows, 128) rows (transpose_activation_scales makes it from quantize()'s
+/// [rows, K/128]); bt, b_scales as grouped_forward_fp8_blockwise's.
+void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor, const void* bt, const float* b_scales,
+                                    void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
+                                    const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+
+/// The FP8 forward's schedule: EPX_FP8_GEMM_KERNEL=cooperative | pingpong | contiguous | auto
+/// (default), read at every call (tests and benchmarks switch it). row_align: what the caller
+/// guarantees of every offsets[g] (a multiple of it). auto: ping-pong where a group averages at most
+/// 64 rows of capacity (decode: its 64-row tiles waste less of a small group and it streams the
+/// weights 1.3x faster, 136 vs 180 us at 32 x 16 rows, K=7168, N=2048 on an H200); elsewhere the
+/// contiguous kernel where row_align is a multiple of 128, the cooperative pointer-array kernel
+/// otherwise (1.2-1.4x faster than ping-pong at 256 rows or more per group). contiguous with a
+/// row_align that is not a multiple of 128 is an error.
+enum class Fp8GemmSchedule { kCooperative, kPingpong, kContiguous };
+Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups, int64_t row_align = 1);
 /// Every value of EPX_FP8_GEMM_KERNEL besides auto: the shipped schedules, then, in a build with
 /// -DEPX_GEMM_TRIALS=ON, the candidate kernels' names (tests and benchmarks run each).
 std::vector<const char*> fp8_gemm_schedule_names();

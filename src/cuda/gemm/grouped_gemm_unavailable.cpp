@@ -62,7 +62,11 @@ void grouped_forward_fp8_blockwise_pingpong(const void*, const float*, const voi
                                             int64_t, int64_t, const int32_t*, const int32_t*, int, Stream) {
   unavailable();
 }
-Fp8GemmSchedule fp8_gemm_schedule(int64_t, int) { return Fp8GemmSchedule::kCooperative; }
-std::vector<const char*> fp8_gemm_schedule_names() { return {"cooperative", "pingpong"}; }
+void grouped_forward_fp8_contiguous(const void*, const float*, const void*, const float*, void*, int64_t, int64_t,
+                                    int64_t, const int32_t*, const int32_t*, int, int64_t, Stream) {
+  unavailable();
+}
+Fp8GemmSchedule fp8_gemm_schedule(int64_t, int, int64_t) { return Fp8GemmSchedule::kCooperative; }
+std::vector<const char*> fp8_gemm_schedule_names() { return {"cooperative", "pingpong", "contiguous"}; }
 
 }  // namespace epx::cuda

@@ -12,19 +12,29 @@
 
 namespace epx::cuda {
 
-Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups) {
+Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups, int64_t row_align) {
+  const bool aligned = row_align > 0 && row_align % 128 == 0;
   const char* v = std::getenv("EPX_FP8_GEMM_KERNEL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0)
-    return groups > 0 && row_capacity <= 64 * static_cast<int64_t>(groups) ? Fp8GemmSchedule::kPingpong
-                                                                           : Fp8GemmSchedule::kCooperative;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) {
+    if (groups > 0 && row_capacity <= 64 * static_cast<int64_t>(groups)) return Fp8GemmSchedule::kPingpong;
+    return aligned ? Fp8GemmSchedule::kContiguous : Fp8GemmSchedule::kCooperative;
+  }
   if (std::strcmp(v, "cooperative") == 0) return Fp8GemmSchedule::kCooperative;
   if (std::strcmp(v, "pingpong") == 0) return Fp8GemmSchedule::kPingpong;
-  throw Error(Status::kInvalidArgument,
-              detail::concat("epx: EPX_FP8_GEMM_KERNEL is \"", v, "\", expected auto, cooperative or pingpong"));
+  if (std::strcmp(v, "contiguous") == 0) {
+    require(aligned, "epx::grouped_gemm_forward_fp8", "EPX_FP8_GEMM_KERNEL is contiguous, which needs every group to ",
+            "start at a multiple of 128 rows; row_align is ", row_align, ", expected a multiple of 128");
+    return Fp8GemmSchedule::kContiguous;
+  }
+#ifdef EPX_GEMM_TRIALS
+  if (fp8_forward_trial_named(v) != nullptr) return Fp8GemmSchedule::kCooperative;  // a pointer-array candidate
+#endif
+  throw Error(Status::kInvalidArgument, detail::concat("epx: EPX_FP8_GEMM_KERNEL is \"", v,
+                                                       "\", expected auto, cooperative, pingpong or contiguous"));
 }
 
 std::vector<const char*> fp8_gemm_schedule_names() {
-  std::vector<const char*> names = {"cooperative", "pingpong"};
+  std::vector<const char*> names = {"cooperative", "pingpong", "contiguous"};
 #ifdef EPX_GEMM_TRIALS
   int count = 0;
   const Fp8ForwardTrial* trials = fp8_forward_trials(count);
