@@ -144,7 +144,8 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
     TileOrderSetting order;
   };
   std::vector<Entry> entries;
-  std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y_bf16); }};
+  std::vector<std::function<void()>> fns = {
+      [&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y_bf16, {}, L.row_align); }};
   for (const TileOrderSetting& order : contest_tile_orders(g_fp8_only))
     for (size_t si = 0; si < schedules.size(); ++si) {
       const char* schedule = schedules[si];
@@ -292,8 +293,12 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
 #endif
   Tensor wd = device_random({K, N}, DType::kBF16, 3, 0.02);
   Tensor yd = Tensor::empty({L.total, N}, DType::kBF16, Device::cuda(0));
-  std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y); },
+  std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align); },
                                             [&] { gemm(x, wd, yd); }};
+  // Where groups start on 128-row blocks auto runs the contiguous kernel: the pointer-array schedules
+  // join the contest (last), so the lines compare them at the same clock.
+  const std::vector<const char*> pointer_array =
+      L.row_align % 128 == 0 ? std::vector<const char*>{"cooperative", "pingpong"} : std::vector<const char*>{};
   Tensor dy, dx, dw32, dw16;
   if (backward) {
     dy = device_random({L.total, N}, DType::kBF16, 4, 1.0);
@@ -304,11 +309,18 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
     fns.push_back([&] { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw32); });
     fns.push_back([&] { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw16); });
   }
+  for (const char* schedule : pointer_array)
+    fns.push_back([&, schedule] {
+      const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
+      grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align);
+    });
   const std::vector<double> t = bench::time_interleaved(fns);
   const double tf = t[0], td = t[1];
   JsonLine j;
   j.add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("groups", G)
       .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K)).add("N", static_cast<long long>(N))
+      .add("row_align", static_cast<long long>(L.row_align))
+      .add("schedule", L.row_align % 128 == 0 ? "contiguous" : "auto")
       .add("time_us", tf).add("tflops", flops / tf * 1e-6).add("dense_cublas_us", td)
       .add("dense_tflops", flops / td * 1e-6)
       .add("fraction_of_dense", td / tf);
@@ -322,6 +334,11 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
       JsonLine().add("impl", "epx").add("op", "grouped_gemm_wgrad").add("case", name).add("grads", b ? "bf16" : "fp32")
           .add("time_us", t[3 + b]).add("tflops", flops / t[3 + b] * 1e-6).add("fraction_of_forward", tf / t[3 + b])
           .print();
+  }
+  for (size_t i = 0; i < pointer_array.size(); ++i) {
+    const double ti = t[t.size() - pointer_array.size() + i];
+    JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("schedule", pointer_array[i])
+        .add("time_us", ti).add("tflops", flops / ti * 1e-6).add("contiguous_speedup", ti / tf).print();
   }
 #ifdef EPX_GEMM_TRIALS
   run_forward_trials(name, false, {x.data(), K, 0}, {w.data(), N, K * N}, N, K, N, L, G, flops);

@@ -41,8 +41,12 @@ void gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool trans
           bool transpose_b = false, bool accumulate = false, Stream stream = {});
 
 /// y [rows, N] = x [rows, K] . w[j] [K, N] for the rows of each group j; x, w, y in one dtype.
+/// row_align: what the caller guarantees of the layout, every offsets[j] a multiple of it (checked on
+/// the CPU); with a multiple of 128 the GPU runs one GEMM over all rows whose tiles each load their
+/// group's weights (no per-group setup inside the kernel; the same results). A wrong guarantee gives
+/// wrong rows, never a write outside y.
 void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                          const TensorRef& y, Stream stream = {});
+                          const TensorRef& y, Stream stream = {}, int64_t row_align = 1);
 /// dx [rows, K] = dy [rows, N] . w[j]^T; dy, w, dx in one dtype.
 void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dx, Stream stream = {});
@@ -64,10 +68,7 @@ void quantize_grouped_weights_fp8(const TensorRef& w, const TensorRef& w_q, cons
 /// e4m3 values are summed in fp32, the block sum is multiplied by the product of the two block
 /// scales and added to an fp32 total, rounded once. The tensor cores' block sums keep fewer bits
 /// than fp32 (Hopper's FP8 MMA), so GPU and reference agree to a relative ~1e-3, not bit for bit.
-/// Padding rows of y are zeros. K and N multiples of 128. row_align: what the caller guarantees of
-/// the layout, every offsets[j] a multiple of it; with a multiple of 128 the GPU runs one GEMM over
-/// all rows whose tiles each load their group's weights (no per-group setup inside the kernel; the
-/// same results). A wrong guarantee gives wrong rows, never a write outside y.
+/// Padding rows of y are zeros. K and N multiples of 128. row_align as grouped_gemm_forward's.
 void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, const TensorRef& w_q,
                               const TensorRef& w_scales, const TensorRef& offsets, const TensorRef& rows,
                               const TensorRef& y, Stream stream = {}, int64_t row_align = 1);
@@ -145,8 +146,8 @@ struct MlpTensors {
   /// (the CPU reference always quantizes w_in / w_out itself): they MUST be the current weights'.
   TensorRef w_in_q, w_in_q_scales, w_out_q, w_out_q_scales;
   /// What the caller guarantees of the layout: every offsets[j] is a multiple of it (dispatch's
-  /// align). A multiple of 128 lets the GPU FP8 forward run one GEMM over all rows
-  /// (grouped_gemm_forward_fp8); the results are the same.
+  /// align). A multiple of 128 lets the GPU forward GEMMs run one GEMM over all rows
+  /// (grouped_gemm_forward); the results are the same.
   int64_t row_align = 1;
 };
 

@@ -89,6 +89,14 @@ struct MlpDims {
   bool bias = false;
 };
 
+// The layout guarantee a caller gives the forward GEMMs (row_align), checked where the offsets are on
+// the host; the GPU path relies on it unchecked.
+void check_row_align(const char* fn, const TensorRef& offsets, int64_t G, int64_t row_align) {
+  for (int64_t j = 0; j < G; ++j)
+    require(offsets.ptr<int32_t>()[j] % row_align == 0, fn, "offsets[", j, "] is ", offsets.ptr<int32_t>()[j],
+            ", not a multiple of row_align = ", row_align);
+}
+
 MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& t) {
   const int act = static_cast<int>(c.activation);
   require(act >= 0 && act <= static_cast<int>(Activation::kRelu2), fn, "config.activation is ", act,
@@ -200,8 +208,9 @@ void gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool trans
 }
 
 void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                          const TensorRef& y, Stream stream) {
+                          const TensorRef& y, Stream stream, int64_t row_align) {
   const char* fn = "epx::grouped_gemm_forward";
+  require(row_align >= 1, fn, "row_align is ", row_align, ", expected >= 1");
   check_tensor(fn, "x", x, {-1, -1}, kDataTypes);
   const int64_t R = x.size(0), K = x.size(1);
   const int64_t G = check_layout(fn, offsets, rows);
@@ -210,9 +219,10 @@ void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRe
   check_tensor(fn, "w", w, {G, K, N}, {x.dtype()});
   check_all_on(fn, x.device(), {{"w", &w}, {"offsets", &offsets}, {"rows", &rows}, {"y", &y}});
 #ifdef EPX_HAVE_CUDA
-  if (offsets.device().is_cuda()) return cuda::grouped_forward_cuda(x, w, offsets, rows, y, stream);
+  if (offsets.device().is_cuda()) return cuda::grouped_forward_cuda(x, w, offsets, rows, y, stream, row_align);
 #endif
   require_host(fn, x.device());
+  check_row_align(fn, offsets, G, row_align);
   ref::grouped_gemm_forward(x, w, offsets, rows, y);
 }
 
@@ -277,9 +287,7 @@ void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, c
   }
 #endif
   require_host(fn, x_q.device());
-  for (int64_t j = 0; j < G; ++j)  // the host can check the guarantee the GPU path relies on
-    require(offsets.ptr<int32_t>()[j] % row_align == 0, fn, "offsets[", j, "] is ", offsets.ptr<int32_t>()[j],
-            ", not a multiple of row_align = ", row_align);
+  check_row_align(fn, offsets, G, row_align);
   ref::grouped_gemm_forward_fp8(x_q, x_scales, w_q, w_scales, offsets, rows, y);
 }
 

@@ -422,6 +422,41 @@ TEST(GroupedGemmGpu, Fp8ContiguousGroupsMatchCooperative) {
   }
 }
 
+// The bf16 forward over contiguous 128-row blocks: the cooperative pointer-array kernel's bits on
+// every row (same tiles, same epilogue), padding zeroed, rows past the layout untouched, auto picks it
+// for row_align 128, and asking for it without 128-row groups is an error naming row_align.
+TEST(GroupedGemmGpu, Bf16ContiguousGroupsMatchCooperative) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 192, N = 264;
+  for (const auto& [sizes, align] : std::vector<std::pair<std::vector<int>, int>>{
+           {{37, 0, 1, 130, 16, 0, 9}, 128}, {{0, 300, 0, 1}, 256}, {{1000}, 128}, {{0, 0}, 128}}) {
+    SCOPED_TRACE(::testing::Message() << "align " << align << ", groups " << sizes.size());
+    const Layout L = make_layout(sizes, align);
+    const int G = static_cast<int>(L.rows.size(0));
+    const int64_t R = L.total + 3;
+    const Tensor x = to_gpu(randn({R, K}, DType::kBF16, 51)), w = to_gpu(randn({G, K, N}, DType::kBF16, 52, 0.1));
+    const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+    auto run = [&](const char* schedule, int64_t row_align) {
+      Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
+      const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", schedule);
+      grouped_gemm_forward(x, w, off, rows, y, {}, row_align);
+      return to_host(y);
+    };
+    const Tensor want = run("cooperative", align);
+    const Tensor got = run("contiguous", align);
+    EXPECT_TRUE(testing::bit_equal(got, want)) << "contiguous against cooperative";
+    EXPECT_TRUE(testing::bit_equal(run("auto", align), want)) << "auto with row_align " << align;
+    Tensor ref = Tensor::full({R, N}, DType::kBF16, 7.0);
+    grouped_gemm_forward(to_host(x), to_host(w), L.offsets, L.rows, ref, {}, align);
+    EXPECT_LT(rel_err(got, ref), 1e-2);
+    for (int64_t i = L.total * N; i < R * N; ++i) ASSERT_EQ(got.item(i), 7.0) << "row past the layout written";
+    if (G > 1)
+      EXPECT_EQ(what_of([&] { run("contiguous", 16); }),
+                "epx::grouped_gemm_forward: EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to start "
+                "at a multiple of 128 rows; row_align is 16, expected a multiple of 128");
+  }
+}
+
 TEST(GroupedGemmGpu, Fp8ForwardRejectsShapesOffTheBlocks) {
   EPX_REQUIRE_GROUPED();
   const Layout L = make_layout({4}, 16);

@@ -359,7 +359,8 @@ static void bf16_forward(const MlpConfig& c, const MlpTensors& t, const void* x,
   const int G = static_cast<int>(t.rows.size(0));
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  grouped_forward_bf16({x, H, 0}, {w_in, P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows, G, R, stream);
+  grouped_forward_bf16({x, H, 0}, {w_in, P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows, G, R, stream,
+                       t.row_align);
   detail::phase_mark(stream, "fc1");
   act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
@@ -367,7 +368,8 @@ static void bf16_forward(const MlpConfig& c, const MlpTensors& t, const void* x,
       static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
   EPX_CHECK_LAUNCH("act_forward_kernel");
   detail::phase_mark(stream, "act");
-  grouped_forward_bf16({fc2_input(), F, 0}, {w_out, H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream);
+  grouped_forward_bf16({fc2_input(), F, 0}, {w_out, H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream,
+                       t.row_align);
   detail::phase_mark(stream, "fc2");
 }
 
@@ -487,12 +489,12 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
 }
 
 void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                          const TensorRef& y, Stream stream) {
+                          const TensorRef& y, Stream stream, int64_t row_align) {
   const int64_t R = x.size(0), K = x.size(1), N = w.size(2);
   const int G = static_cast<int>(rows.size(0));
   require_bf16_path("epx::grouped_gemm_forward", x, K, N);
   grouped_forward_bf16({x.data(), K, 0}, {w.data(), N, K * N}, y.data(), N, K, N, offsets.ptr<int32_t>(),
-                       rows.ptr<int32_t>(), G, R, stream);
+                       rows.ptr<int32_t>(), G, R, stream, row_align);
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(N, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
                                                                 static_cast<__nv_bfloat16*>(y.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");

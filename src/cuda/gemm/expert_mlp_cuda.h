@@ -8,7 +8,7 @@ namespace epx::cuda {
 void expert_mlp_forward_cuda(const MlpConfig& config, const MlpTensors& t, Stream stream);
 void expert_mlp_backward_cuda(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g, Stream stream);
 void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                          const TensorRef& y, Stream stream);
+                          const TensorRef& y, Stream stream, int64_t row_align = 1);
 void grouped_dgrad_cuda(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dx, Stream stream);
 void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,

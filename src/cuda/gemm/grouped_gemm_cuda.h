@@ -26,18 +26,34 @@ struct GroupedOperand {
   int64_t group_stride = 0;  // elements between groups (weights), 0 for row-offset operands
 };
 
+/// row_align: what the caller guarantees of every offsets[g] (a multiple of it); see
+/// forward_gemm_schedule for what a multiple of 128 changes.
 void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                          const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+                          const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
+                          int64_t row_align = 1);
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
-/// The forward's and dgrad's schedule: EPX_GEMM_FORWARD_KERNEL=auto (default) | cooperative | pingpong,
-/// read at every call (tests and benchmarks switch it). auto: ping-pong 128x128 tiles where the
-/// contraction is at most 2048 deep and groups average at least 1024 rows of capacity (one warp
-/// group's epilogue runs under the other's MMAs: 1.07-1.09x the cooperative kernel at 32 x 1024 rows,
-/// K = 2048, N = 7168 on an H200, bit-identical), cooperative 128x256 tiles elsewhere (ping-pong was
-/// level at 256 rows a group, 0.94x with Zipf-skewed groups and 0.85x at decode).
-enum class ForwardGemmSchedule { kCooperative, kPingpong };
-ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups);
+/// The forward's and dgrad's schedule: EPX_GEMM_FORWARD_KERNEL=auto (default) | cooperative | pingpong
+/// | contiguous, read at every call (tests and benchmarks switch it). auto: where row_align (the
+/// caller's guarantee: every offsets[g] a multiple of it) is a multiple of 128, the forward runs over
+/// m-grouped contiguous rows (grouped_forward_bf16_contiguous: no per-group TMA descriptors);
+/// otherwise ping-pong 128x128 tiles where the contraction is at most 2048 deep and groups average at
+/// least 1024 rows of capacity (one warp group's epilogue runs under the other's MMAs: 1.07-1.09x the
+/// cooperative kernel at 32 x 1024 rows, K = 2048, N = 7168 on an H200, bit-identical), cooperative
+/// 128x256 tiles elsewhere (ping-pong was level at 256 rows a group, 0.94x with Zipf-skewed groups and
+/// 0.85x at decode). row_align 0 says there is no contiguous kernel (dgrad): contiguous then means
+/// cooperative. contiguous with a row_align that is not a multiple of 128 is an error.
+enum class ForwardGemmSchedule { kCooperative, kPingpong, kContiguous };
+ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups,
+                                          int64_t row_align = 0);
+/// The forward over m-grouped contiguous rows (cutlass/contiguous_groups_sm90.cuh): one GEMM over all
+/// rows whose 128-row tiles each load their group's weights, on the cooperative kernel's tiles and
+/// epilogue (the same bits). Every group must start at a multiple of 128 rows; the padding rows of out
+/// are written (the caller zeroes them), rows from the end of the last group's last 128-row block on
+/// are not.
+void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
+                                     int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                     int64_t total_rows, Stream stream);
 /// The forward and dgrad on the ping-pong schedule (the arguments as above).
 void grouped_forward_bf16_pingpong(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                    int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
@@ -103,7 +119,7 @@ void grouped_forward_fp8_blockwise_pingpong(const void* a, const float* a_scales
                                             const float* b_scales, void* out, int64_t ld_out, int64_t K, int64_t N,
                                             const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
 
-/// The same over m-grouped contiguous rows (cutlass/fp8_contiguous_groups_sm90.cuh): one GEMM over
+/// The same over m-grouped contiguous rows (cutlass/contiguous_groups_sm90.cuh): one GEMM over
 /// all rows whose 128-row tiles each load their group's weights, no per-group TMA descriptors. Every
 /// group must start at a multiple of 128 rows (offsets[g] % 128 == 0: a layout with align = 128); the
 /// padding rows of y are written (the caller zeroes them), rows from the end of the last group's last

@@ -15,7 +15,11 @@ namespace {
 }  // namespace
 
 void grouped_forward_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
-                          const int32_t*, int, int64_t, Stream) {
+                          const int32_t*, int, int64_t, Stream, int64_t) {
+  unavailable();
+}
+void grouped_forward_bf16_contiguous(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
+                                     const int32_t*, int, int64_t, Stream) {
   unavailable();
 }
 void grouped_dgrad_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,

@@ -54,17 +54,17 @@ struct OverlappedPromotionMainloop : Base {
     using namespace cute;
     static_assert(is_rmem<FrgTensorC>::value, "the accumulator lives in registers");
 
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (M, K, stage)
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (N, K, stage)
+    cute::Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (M, K, stage)
+    cute::Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (N, K, stage)
     // The staged scales seen as (M, N, (K, stage)) tensors, broadcast (stride 0) along the other
     // operand's mode, so that a thread's partition_C holds the scales of its accumulator elements.
-    Tensor sSFA = make_tensor(
+    cute::Tensor sSFA = make_tensor(
         make_smem_ptr(shared_tensors.smem_SFA.data()),
         make_layout(make_shape(shape<0>(SmemLayoutSFA{}), get<1>(TileShape{}),
                                make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
                     make_stride(stride<0>(SmemLayoutSFA{}), _0{},
                                 make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
-    Tensor sSFB = make_tensor(
+    cute::Tensor sSFB = make_tensor(
         make_smem_ptr(shared_tensors.smem_SFB.data()),
         make_layout(make_shape(get<0>(TileShape{}), shape<0>(SmemLayoutSFB{}),
                                make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
@@ -76,17 +76,17 @@ struct OverlappedPromotionMainloop : Base {
     const int wg = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
     auto wg_mma = tiled_mma.get_slice(wg_threads(wg));
-    Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, MMA_M, MMA_N, (K, stage))
-    Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
-    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // smem descriptors (MMA, MMA_M, MMA_K, stage)
-    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
+    cute::Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, MMA_M, MMA_N, (K, stage))
+    cute::Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
+    cute::Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // smem descriptors (MMA, MMA_M, MMA_K, stage)
+    cute::Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
 
     // Two partial accumulators and the scales of the block each holds.
-    Tensor part0 = make_fragment_like(accum);
-    Tensor part1 = make_fragment_like(accum);
-    Tensor scale0 = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
-    Tensor scale1 = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
-    Tensor scale_b = make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{}));
+    cute::Tensor part0 = make_fragment_like(accum);
+    cute::Tensor part1 = make_fragment_like(accum);
+    cute::Tensor scale0 = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+    cute::Tensor scale1 = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+    cute::Tensor scale_b = make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{}));
 
     // +0 before the first promotion (no K leaves a zero product; the base leaves it undefined).
     clear(accum);

@@ -8,21 +8,34 @@
 
 namespace epx::cuda {
 
-ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups) {
+ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups, int64_t row_align) {
+  const bool aligned = row_align > 0 && row_align % 128 == 0;
   const char* v = std::getenv("EPX_GEMM_FORWARD_KERNEL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0)
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) {
+    if (aligned) return ForwardGemmSchedule::kContiguous;
     return contraction <= 2048 && groups > 0 && row_capacity >= 1024 * static_cast<int64_t>(groups)
                ? ForwardGemmSchedule::kPingpong
                : ForwardGemmSchedule::kCooperative;
+  }
   if (std::strcmp(v, "cooperative") == 0) return ForwardGemmSchedule::kCooperative;
   if (std::strcmp(v, "pingpong") == 0) return ForwardGemmSchedule::kPingpong;
-  throw Error(Status::kInvalidArgument,
-              detail::concat("epx: EPX_GEMM_FORWARD_KERNEL is \"", v, "\", expected auto, cooperative or pingpong"));
+  if (std::strcmp(v, "contiguous") == 0) {
+    if (row_align == 0) return ForwardGemmSchedule::kCooperative;
+    require(aligned, "epx::grouped_gemm_forward", "EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to ",
+            "start at a multiple of 128 rows; row_align is ", row_align, ", expected a multiple of 128");
+    return ForwardGemmSchedule::kContiguous;
+  }
+  throw Error(Status::kInvalidArgument, detail::concat("epx: EPX_GEMM_FORWARD_KERNEL is \"", v,
+                                                       "\", expected auto, cooperative, pingpong or contiguous"));
 }
 
 void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                          const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
-  if (forward_gemm_schedule(K, total_rows, groups) == ForwardGemmSchedule::kPingpong)
+                          const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
+                          int64_t row_align) {
+  const ForwardGemmSchedule schedule = forward_gemm_schedule(K, total_rows, groups, row_align);
+  if (schedule == ForwardGemmSchedule::kContiguous)
+    return grouped_forward_bf16_contiguous(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
+  if (schedule == ForwardGemmSchedule::kPingpong)
     return grouped_forward_bf16_pingpong(a, b, out, ld_out, K, N, offsets, rows, groups, stream);
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t,
                              grouped::CooperativeOverwrite>;

@@ -1,8 +1,6 @@
-// The FP8 block-scaled forward over m-grouped contiguous rows (fp8_contiguous_groups_sm90.cuh): the
-// kernel's types, the setup kernel that maps 128-row blocks to groups, and the launch.
-#include <algorithm>
-
-#include "cuda/gemm/cutlass/fp8_contiguous_groups_sm90.cuh"
+// The FP8 block-scaled forward over m-grouped contiguous rows (contiguous_groups_sm90.cuh): the
+// kernel's types and the launch.
+#include "cuda/gemm/cutlass/contiguous_groups_sm90.cuh"
 #include "cuda/gemm/cutlass/fp8_overlapped_promotion_sm90.cuh"
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
@@ -34,43 +32,12 @@ struct ContiguousKernel {
       16, ElementB, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, 16, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using Mainloop = ContiguousGroupsMainloop<OverlappedPromotionMainloop<BuiltMainloop>>;
+  using Mainloop = contiguous::GroupsMainloop<OverlappedPromotionMainloop<BuiltMainloop>>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                          ContiguousTiles>;
+                                                          contiguous::Tiles>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   static constexpr int kCacheId = 102;
 };
-
-// Block b (128 rows) -> the group its first row belongs to: the last g with offsets[g] <= 128 b
-// (empty groups share their successor's offset, so the last one is the group with rows; a block in
-// the padding between groups gets the group before it and computes padding). Block 0 of the grid
-// also writes row_end: the end of the last group's last 128-row block.
-__global__ void contiguous_setup_kernel(const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows,
-                                        int groups, int64_t row_blocks, int32_t* __restrict__ tile_group,
-                                        int32_t* __restrict__ row_end) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < row_blocks) {
-    const int64_t row = b * kContiguousTileRows;
-    int lo = 0, hi = groups;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (offsets[mid] <= row) lo = mid;
-      else hi = mid;
-    }
-    tile_group[b] = lo;
-  }
-  if (blockIdx.x != 0) return;
-  __shared__ int32_t end;
-  if (threadIdx.x == 0) end = 0;
-  __syncthreads();
-  int32_t mine = 0;
-  for (int g = threadIdx.x; g < groups; g += blockDim.x)
-    if (rows[g] > 0)
-      mine = max(mine, (offsets[g] + rows[g] + kContiguousTileRows - 1) / kContiguousTileRows * kContiguousTileRows);
-  atomicMax(&end, mine);
-  __syncthreads();
-  if (threadIdx.x == 0) *row_end = end;
-}
 
 }  // namespace
 }  // namespace grouped_fp8
@@ -82,18 +49,9 @@ void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor,
   if (groups == 0 || total_rows == 0) return;
   cudaStream_t s = to_cuda(stream);
   grouped::Cache& c = grouped::cache_for(K_::kCacheId);
-  const int64_t row_blocks = (total_rows + grouped_fp8::kContiguousTileRows - 1) / grouped_fp8::kContiguousTileRows;
-  grouped::grow(c.arrays, c.arrays_bytes, static_cast<size_t>(row_blocks + 1) * sizeof(int32_t));
-  int32_t* tile_group = static_cast<int32_t*>(c.arrays);
-  int32_t* row_end = tile_group + row_blocks;
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::max<int64_t>(1, (row_blocks + threads - 1) / threads));
-  grouped_fp8::contiguous_setup_kernel<<<blocks, threads, 0, s>>>(offsets, rows, groups, row_blocks, tile_group,
-                                                                   row_end);
-  EPX_CHECK_LAUNCH("grouped fp8 contiguous_setup_kernel");
-
+  const contiguous::Tables tables = contiguous::write_tables(c, offsets, rows, groups, total_rows, s);
   const int M = static_cast<int>(total_rows), Nn = static_cast<int>(N), Kk = static_cast<int>(K);
-  const int padded_rows = static_cast<int>(row_blocks * grouped_fp8::kContiguousTileRows);
+  const int padded_rows = static_cast<int>(tables.row_blocks * contiguous::kTileRows);
   typename K_::Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {M, Nn, Kk, 1};
@@ -107,13 +65,13 @@ void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor,
   ml.ptr_SFB = b_scales;
   ml.layout_SFB = K_::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, Nn, Kk, groups));
   ml.groups = groups;
-  ml.tile_group = tile_group;
+  ml.tile_group = tables.tile_group;
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.ptr_D = static_cast<K_::ElementOut*>(out);
   args.epilogue.dD = cute::make_stride(static_cast<int64_t>(ld_out), cute::_1{}, static_cast<int64_t>(0));
   args.epilogue.dC = args.epilogue.dD;
   args.hw_info = grouped::hardware_info();
-  args.scheduler.row_end = row_end;
+  args.scheduler.row_end = tables.row_end;
   grouped::launch<typename K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N,
                                      "both must be multiples of 128");
 }
