@@ -21,8 +21,7 @@
 //  - GroupsMainloop: B's descriptor spans all groups (L = G), load() takes B's tile from the tile's
 //    group and A's from the one row block, load_auxiliary() B's FP8 scales likewise;
 //  - TileScheduler: hands out only the tiles of rows below the device-side end of the last group,
-//    in row-block-major order (a block's N tiles, then the next block's), so the CTAs running at once
-//    share one group's weights in L2.
+//    band by band (a group's row blocks, then its next N tile), the order of the pointer-array kernels.
 #pragma once
 
 #include <algorithm>
@@ -175,20 +174,27 @@ struct GroupsMainloop : Base {
   }
 };
 
-// The persistent scheduler over the tiles of rows [0, *row_end): CUTLASS's, with its tile count cut
-// on the device and its order fixed to N fastest without swizzle, so that tile t is row block
-// t / n_tiles and every tile below the cut precedes every tile above it.
+// The persistent scheduler over the tiles of rows [0, *row_end). CUTLASS's persistent scheduler for
+// the kernel's static interface (grid, k tiles, epilogue), with its own tile order: bands of
+// `band_blocks` 128-row blocks, each band's tiles with the row block fastest, then the N tile, the
+// bands in row order. With a band as tall as a group (the host picks it from the average group) the
+// CTAs running at once cover a few N tiles of one group's rows: the group's rows stay in L2 while its
+// weights stream through once, as in the pointer-array kernels' group-by-group order; N fastest
+// instead re-read a large group's whole weight matrix for every row block. Every tile below the cut
+// precedes every tile above it, so the cut is a tile count.
 class TileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
   struct Arguments : Base::Arguments {
     const int32_t* row_end = nullptr;  // device: one past the last row of the last group's last block
+    int band_blocks = 1;
   };
   struct Params : Base::Params {
     const int32_t* row_end = nullptr;
     uint64_t n_tiles = 0;
     int tile_rows = 0;
+    int band_blocks = 1;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -196,24 +202,55 @@ class TileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
                                         ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
                                         Arguments const& args, void* workspace = nullptr,
                                         uint32_t epilogue_subtiles = 1, uint32_t k_tile_alignment = 1u) {
-    Base::Arguments ordered = args;
-    ordered.raster_order = RasterOrderOptions::AlongN;
-    ordered.max_swizzle_size = 1;
     Params p;
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, tile_shape, cluster_shape, hw_info,
-                                                                  ordered, workspace, epilogue_subtiles,
-                                                                  k_tile_alignment);
+                                                                  args, workspace, epilogue_subtiles, k_tile_alignment);
     p.row_end = args.row_end;
     p.tile_rows = static_cast<int>(cute::size<0>(tile_shape));
     p.n_tiles = static_cast<uint64_t>(cute::ceil_div(cute::get<1>(problem_shape), cute::size<1>(tile_shape)));
+    p.band_blocks = args.band_blocks > 0 ? args.band_blocks : 1;
     return p;
   }
 
   CUTLASS_DEVICE explicit TileScheduler(Params const& p) : Base(p) {
-    const uint64_t row_blocks = (static_cast<uint64_t>(*p.row_end) + p.tile_rows - 1) / p.tile_rows;
-    if (row_blocks * p.n_tiles < scheduler_params.blocks_per_problem_)
-      scheduler_params.blocks_per_problem_ = row_blocks * p.n_tiles;
+    row_blocks_ = (static_cast<uint64_t>(*p.row_end) + p.tile_rows - 1) / p.tile_rows;
+    n_tiles_ = p.n_tiles;
+    band_ = static_cast<uint64_t>(p.band_blocks);
+    tiles_ = row_blocks_ * n_tiles_;
+    next_ = blockIdx.x + static_cast<uint64_t>(blockIdx.y) * gridDim.x +
+            static_cast<uint64_t>(blockIdx.z) * gridDim.x * gridDim.y;
+    stride_ = static_cast<uint64_t>(gridDim.x) * gridDim.y * gridDim.z;
   }
+
+  CUTLASS_DEVICE WorkTileInfo work_at(uint64_t i) const {
+    if (i >= tiles_) return WorkTileInfo::invalid_work_tile();
+    const uint64_t first = i / (band_ * n_tiles_) * band_;  // the band's first row block
+    const uint64_t rest = i - first * n_tiles_;
+    const uint64_t height = row_blocks_ - first < band_ ? row_blocks_ - first : band_;  // the last band may be short
+    return {static_cast<int32_t>(first + rest % height), static_cast<int32_t>(rest / height), 0, true};
+  }
+
+  // What the kernel calls on the scheduler object: the base's, on this order.
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return work_at(next_);
+  }
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return work_at(next_); }
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { next_ += stride_ * count; }
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
+    return !work_at(next_ + stride_ * count).is_valid();
+  }
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    advance_to_next_work();
+    return cute::make_tuple(get_current_work(), true);
+  }
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo info, Pipeline&, PipelineState) {
+    return fetch_next_work(info);
+  }
+
+ private:
+  uint64_t row_blocks_ = 0, n_tiles_ = 0, band_ = 1, tiles_ = 0, next_ = 0, stride_ = 1;
 };
 
 // The tag that selects it in CUTLASS's kernel (TileSchedulerSelector below).
@@ -250,6 +287,14 @@ __global__ void setup_kernel(const int32_t* __restrict__ offsets, const int32_t*
   if (threadIdx.x == 0) *row_end = end;
 }
 }  // namespace
+
+// The band of the tile order: the average group's row blocks, rounded down to a power of two, 1 to 64.
+inline int band_blocks(int64_t total_rows, int groups) {
+  const int64_t per_group = groups > 0 ? total_rows / groups / kTileRows : 1;
+  int band = 1;
+  while (band < 64 && 2 * band <= per_group) band *= 2;
+  return band;
+}
 
 // The device tables of one launch, in the kernel's cached array buffer (grown on demand).
 struct Tables {

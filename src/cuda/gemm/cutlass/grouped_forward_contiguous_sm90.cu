@@ -59,6 +59,7 @@ void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* o
   args.epilogue.dC = args.epilogue.dD;
   args.hw_info = grouped::hardware_info();
   args.scheduler.row_end = tables.row_end;
+  args.scheduler.band_blocks = contiguous::band_blocks(total_rows, groups);
   grouped::launch<typename K_::Gemm>(args, c, s, "epx::grouped_gemm_forward", K, N,
                                      "rows and columns must be multiples of 8 elements");
 }

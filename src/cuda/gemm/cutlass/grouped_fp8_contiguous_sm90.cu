@@ -72,6 +72,7 @@ void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor,
   args.epilogue.dC = args.epilogue.dD;
   args.hw_info = grouped::hardware_info();
   args.scheduler.row_end = tables.row_end;
+  args.scheduler.band_blocks = contiguous::band_blocks(total_rows, groups);
   grouped::launch<typename K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N,
                                      "both must be multiples of 128");
 }
