@@ -518,6 +518,39 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
 // arriving as fp8 with its scales, as an FP8 dispatch delivers it; and the backward after each,
 // against the reference with the same precision: both quantize the same values with the same recipe,
 // so the residue is the GEMMs' accumulation and h's requantization of a slightly different a.
+// The FFN forward told its layout starts every group on a 128-row block (MlpTensors::row_align, the
+// dispatch's align in the layer) runs the contiguous GEMMs: the same a, h and y bits as without the
+// promise, in bf16 and with FP8 block scales; padding rows stay zero.
+TEST(ExpertMlpGpu, ForwardWithRowAlign128IsBitIdentical) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t H = 256, F = 128, P = 2;
+  const Layout L = make_layout({37, 0, 1, 130, 9}, 128);
+  const int G = static_cast<int>(L.rows.size(0));
+  const int64_t R = L.total;
+  const Tensor x = to_gpu(randn({R, H}, DType::kBF16, 60)), w_in = to_gpu(randn({G, H, P, F}, DType::kBF16, 61, 0.06));
+  const Tensor w_out = to_gpu(randn({G, F, H}, DType::kBF16, 62, 0.06));
+  const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+  for (MlpPrecision prec : {MlpPrecision::kHigh, MlpPrecision::kFp8Block}) {
+    SCOPED_TRACE(mlp_precision_name(prec));
+    const MlpConfig cfg{Activation::kSwiGLU, false, prec};
+    auto run = [&](int64_t row_align) {
+      Tensor a = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16)), h = to_gpu(Tensor::zeros({R, F}, DType::kBF16));
+      Tensor y = to_gpu(Tensor::full({R, H}, DType::kBF16, 7.0));
+      MlpTensors t{x, off, rows, {}, w_in, {}, w_out, {}, a, h, y};
+      t.row_align = row_align;
+      expert_mlp_forward(cfg, t);
+      return std::vector<Tensor>{to_host(a), to_host(h), to_host(y)};
+    };
+    const std::vector<Tensor> want = run(1), got = run(128);
+    EXPECT_TRUE(testing::bit_equal(got[0], want[0])) << "a";
+    EXPECT_TRUE(testing::bit_equal(got[1], want[1])) << "h";
+    EXPECT_TRUE(testing::bit_equal(got[2], want[2])) << "y";
+    for (int g = 0; g < G; ++g)
+      for (int64_t r = L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g + 1]; ++r)
+        ASSERT_EQ(got[2].item(r * H), 0.0) << "padding row " << r;
+  }
+}
+
 TEST(ExpertMlpGpu, Fp8ForwardsAndTheirBackwardMatchReference) {
   EPX_REQUIRE_GROUPED();
   for (MlpPrecision prec : {MlpPrecision::kFp8Block, MlpPrecision::kMxfp8}) {

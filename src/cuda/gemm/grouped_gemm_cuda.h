@@ -34,15 +34,17 @@ void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
 /// The forward's and dgrad's schedule: EPX_GEMM_FORWARD_KERNEL=auto (default) | cooperative | pingpong
-/// | contiguous, read at every call (tests and benchmarks switch it). auto: where row_align (the
-/// caller's guarantee: every offsets[g] a multiple of it) is a multiple of 128, the forward runs over
-/// m-grouped contiguous rows (grouped_forward_bf16_contiguous: no per-group TMA descriptors);
-/// otherwise ping-pong 128x128 tiles where the contraction is at most 2048 deep and groups average at
-/// least 1024 rows of capacity (one warp group's epilogue runs under the other's MMAs: 1.07-1.09x the
-/// cooperative kernel at 32 x 1024 rows, K = 2048, N = 7168 on an H200, bit-identical), cooperative
-/// 128x256 tiles elsewhere (ping-pong was level at 256 rows a group, 0.94x with Zipf-skewed groups and
-/// 0.85x at decode). row_align 0 says there is no contiguous kernel (dgrad): contiguous then means
-/// cooperative. contiguous with a row_align that is not a multiple of 128 is an error.
+/// | contiguous, read at every call (tests and benchmarks switch it). auto: ping-pong 128x128 tiles where
+/// the contraction is at most 2048 deep and groups average at least 1024 rows of capacity (one warp
+/// group's epilogue runs under the other's MMAs: 1.07-1.09x the cooperative kernel at 32 x 1024 rows,
+/// K = 2048, N = 7168 on an H200, bit-identical; 1.06x the contiguous kernel there); elsewhere, where
+/// row_align (the caller's guarantee: every offsets[g] a multiple of it) is a multiple of 128, the
+/// forward over m-grouped contiguous rows (grouped_forward_bf16_contiguous: no per-group TMA
+/// descriptors; 1.01-1.06x the cooperative kernel on an H200 at every such shape with >= 256 rows a
+/// group), otherwise cooperative 128x256 tiles (ping-pong was level at 256 rows a group, 0.94x with
+/// Zipf-skewed groups and 0.85x at decode). row_align 0 says there is no contiguous kernel (dgrad):
+/// contiguous then means cooperative. contiguous with a row_align that is not a multiple of 128 is an
+/// error.
 enum class ForwardGemmSchedule { kCooperative, kPingpong, kContiguous };
 ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups,
                                           int64_t row_align = 0);
@@ -135,9 +137,10 @@ void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor,
 /// guarantees of every offsets[g] (a multiple of it). auto: ping-pong where a group averages at most
 /// 64 rows of capacity (decode: its 64-row tiles waste less of a small group and it streams the
 /// weights 1.3x faster, 136 vs 180 us at 32 x 16 rows, K=7168, N=2048 on an H200); elsewhere the
-/// contiguous kernel where row_align is a multiple of 128, the cooperative pointer-array kernel
-/// otherwise (1.2-1.4x faster than ping-pong at 256 rows or more per group). contiguous with a
-/// row_align that is not a multiple of 128 is an error.
+/// contiguous kernel where row_align is a multiple of 128 (1.04-1.15x the cooperative kernel on an H200
+/// at every such shape), the cooperative pointer-array kernel otherwise (1.2-1.4x faster than
+/// ping-pong at 256 rows or more per group). contiguous with a row_align that is not a multiple of 128
+/// is an error.
 enum class Fp8GemmSchedule { kCooperative, kPingpong, kContiguous };
 Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups, int64_t row_align = 1);
 /// Every value of EPX_FP8_GEMM_KERNEL besides auto: the shipped schedules, then, in a build with

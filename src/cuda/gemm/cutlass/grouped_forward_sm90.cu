@@ -12,10 +12,9 @@ ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capac
   const bool aligned = row_align > 0 && row_align % 128 == 0;
   const char* v = std::getenv("EPX_GEMM_FORWARD_KERNEL");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) {
-    if (aligned) return ForwardGemmSchedule::kContiguous;
-    return contraction <= 2048 && groups > 0 && row_capacity >= 1024 * static_cast<int64_t>(groups)
-               ? ForwardGemmSchedule::kPingpong
-               : ForwardGemmSchedule::kCooperative;
+    if (contraction <= 2048 && groups > 0 && row_capacity >= 1024 * static_cast<int64_t>(groups))
+      return ForwardGemmSchedule::kPingpong;
+    return aligned ? ForwardGemmSchedule::kContiguous : ForwardGemmSchedule::kCooperative;
   }
   if (std::strcmp(v, "cooperative") == 0) return ForwardGemmSchedule::kCooperative;
   if (std::strcmp(v, "pingpong") == 0) return ForwardGemmSchedule::kPingpong;
