@@ -40,7 +40,7 @@ void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t l
 /// K = 2048, N = 7168 on an H200, bit-identical; 1.06x the contiguous kernel there); elsewhere, where
 /// row_align (the caller's guarantee: every offsets[g] a multiple of it) is a multiple of 128, the
 /// forward over m-grouped contiguous rows (grouped_forward_bf16_contiguous: no per-group TMA
-/// descriptors; 1.01-1.06x the cooperative kernel on an H200 at every such shape with >= 256 rows a
+/// descriptors; 1.00-1.07x the cooperative kernel on an H200 at every such shape with >= 256 rows a
 /// group), otherwise cooperative 128x256 tiles (ping-pong was level at 256 rows a group, 0.94x with
 /// Zipf-skewed groups and 0.85x at decode). row_align 0 says there is no contiguous kernel (dgrad):
 /// contiguous then means cooperative. contiguous with a row_align that is not a multiple of 128 is an
