@@ -261,6 +261,10 @@ void bind_ops(nb::module_& m) {
         [](Group& g, Handle& h, const TensorRef& d_recv_x, const TensorRef& d_recv_w, const TensorRef& d_x,
            const TensorRef& d_topk_w, uintptr_t s) { dispatch_backward(g, h, d_recv_x, d_recv_w, d_x, d_topk_w, stream_of(s)); },
         "group"_a, "handle"_a, "d_recv_x"_a, "d_recv_weights"_a, "d_x"_a, "d_topk_weights"_a, "stream"_a = 0, Release());
+  m.def("grouped_gemm_forward",
+        [](const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows, const TensorRef& y,
+           uintptr_t s, int64_t row_align) { grouped_gemm_forward(x, w, offsets, rows, y, stream_of(s), row_align); },
+        "x"_a, "w"_a, "offsets"_a, "rows"_a, "y"_a, "stream"_a = 0, "row_align"_a = 1, Release());
   m.def("expert_mlp_forward",
         [](const MlpConfig& c, const TensorRef& x, const TensorRef& offsets, const TensorRef& rows, const TensorRef& rw,
            const TensorRef& w_in, const TensorRef& b_in, const TensorRef& w_out, const TensorRef& b_out, const TensorRef& a,
