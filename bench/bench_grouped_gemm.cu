@@ -313,7 +313,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
     dx = Tensor::empty({L.total, K}, DType::kBF16, Device::cuda(0));
     dw32 = Tensor::empty({G, K, N}, DType::kF32, Device::cuda(0));
     dw16 = Tensor::empty({G, K, N}, DType::kBF16, Device::cuda(0));
-    fns.push_back([&] { grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx); });
+    fns.push_back([&] { grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx, {}, L.row_align); });
     fns.push_back([&] { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw32); });
     fns.push_back([&] { grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw16); });
   }

@@ -47,9 +47,9 @@ void gemm(const TensorRef& a, const TensorRef& b, const TensorRef& c, bool trans
 /// wrong rows, never a write outside y.
 void grouped_gemm_forward(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                           const TensorRef& y, Stream stream = {}, int64_t row_align = 1);
-/// dx [rows, K] = dy [rows, N] . w[j]^T; dy, w, dx in one dtype.
+/// dx [rows, K] = dy [rows, N] . w[j]^T; dy, w, dx in one dtype; row_align as grouped_gemm_forward's.
 void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                        const TensorRef& dx, Stream stream = {});
+                        const TensorRef& dx, Stream stream = {}, int64_t row_align = 1);
 /// dw [G, K, N] (fp32 or x's dtype) = x_j^T . dy_j over the group's real rows (zeros for an empty
 /// group); with accumulate, adds into dw (fp32, or fp64 for fp64 inputs), and an empty group leaves
 /// dw[j] as it was.

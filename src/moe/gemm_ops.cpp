@@ -292,8 +292,9 @@ void grouped_gemm_forward_fp8(const TensorRef& x_q, const TensorRef& x_scales, c
 }
 
 void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                        const TensorRef& dx, Stream stream) {
+                        const TensorRef& dx, Stream stream, int64_t row_align) {
   const char* fn = "epx::grouped_gemm_dgrad";
+  require(row_align >= 1, fn, "row_align is ", row_align, ", expected >= 1");
   check_tensor(fn, "dy", dy, {-1, -1}, kDataTypes);
   const int64_t R = dy.size(0), N = dy.size(1);
   const int64_t G = check_layout(fn, offsets, rows);
@@ -302,9 +303,10 @@ void grouped_gemm_dgrad(const TensorRef& dy, const TensorRef& w, const TensorRef
   check_tensor(fn, "w", w, {G, K, N}, {dy.dtype()});
   check_all_on(fn, dy.device(), {{"w", &w}, {"offsets", &offsets}, {"rows", &rows}, {"dx", &dx}});
 #ifdef EPX_HAVE_CUDA
-  if (offsets.device().is_cuda()) return cuda::grouped_dgrad_cuda(dy, w, offsets, rows, dx, stream);
+  if (offsets.device().is_cuda()) return cuda::grouped_dgrad_cuda(dy, w, offsets, rows, dx, stream, row_align);
 #endif
   require_host(fn, dy.device());
+  check_row_align(fn, offsets, G, row_align);
   ref::grouped_gemm_dgrad(dy, w, offsets, rows, dx);
 }
 

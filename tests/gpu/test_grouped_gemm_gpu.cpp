@@ -422,9 +422,9 @@ TEST(GroupedGemmGpu, Fp8ContiguousGroupsMatchCooperative) {
   }
 }
 
-// The bf16 forward over contiguous 128-row blocks: the cooperative pointer-array kernel's bits on
-// every row (same tiles, same epilogue), padding zeroed, rows past the layout untouched, auto picks it
-// for row_align 128, and asking for it without 128-row groups is an error naming row_align.
+// The bf16 forward and dgrad over contiguous 128-row blocks: the cooperative pointer-array kernels'
+// bits on every row (same tiles, same epilogue), padding zeroed, rows past the layout untouched, auto
+// picks them for row_align 128, and asking for them without 128-row groups is an error naming row_align.
 TEST(GroupedGemmGpu, Bf16ContiguousGroupsMatchCooperative) {
   EPX_REQUIRE_GROUPED();
   const int64_t K = 192, N = 264;
@@ -454,6 +454,18 @@ TEST(GroupedGemmGpu, Bf16ContiguousGroupsMatchCooperative) {
       EXPECT_EQ(what_of([&] { run("contiguous", 16); }),
                 "epx::grouped_gemm_forward: EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to start "
                 "at a multiple of 128 rows; row_align is 16, expected a multiple of 128");
+    // dgrad: dx [R, K] = dy [R, N] . w_g^T
+    const Tensor dy = to_gpu(randn({R, N}, DType::kBF16, 53));
+    auto dgrad = [&](const char* schedule) {
+      Tensor dx = to_gpu(Tensor::full({R, K}, DType::kBF16, 7.0));
+      const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", schedule);
+      grouped_gemm_dgrad(dy, w, off, rows, dx, {}, align);
+      return to_host(dx);
+    };
+    const Tensor dx_want = dgrad("cooperative"), dx_got = dgrad("contiguous");
+    EXPECT_TRUE(testing::bit_equal(dx_got, dx_want)) << "dgrad: contiguous against cooperative";
+    EXPECT_TRUE(testing::bit_equal(dgrad("auto"), dx_want)) << "dgrad: auto with row_align " << align;
+    for (int64_t i = L.total * K; i < R * K; ++i) ASSERT_EQ(dx_got.item(i), 7.0) << "dgrad: row past the layout";
   }
 }
 
@@ -518,17 +530,17 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
 // arriving as fp8 with its scales, as an FP8 dispatch delivers it; and the backward after each,
 // against the reference with the same precision: both quantize the same values with the same recipe,
 // so the residue is the GEMMs' accumulation and h's requantization of a slightly different a.
-// The FFN forward told its layout starts every group on a 128-row block (MlpTensors::row_align, the
-// dispatch's align in the layer) runs the contiguous GEMMs: the same a, h and y bits as without the
-// promise, in bf16 and with FP8 block scales; padding rows stay zero.
-TEST(ExpertMlpGpu, ForwardWithRowAlign128IsBitIdentical) {
+// The FFN told its layout starts every group on a 128-row block (MlpTensors::row_align, the
+// dispatch's align in the layer) runs the contiguous GEMMs: the same a, h, y and gradient bits as
+// without the promise, in bf16 and with FP8 block scales; padding rows stay zero.
+TEST(ExpertMlpGpu, RowAlign128IsBitIdentical) {
   EPX_REQUIRE_GROUPED();
   const int64_t H = 256, F = 128, P = 2;
   const Layout L = make_layout({37, 0, 1, 130, 9}, 128);
   const int G = static_cast<int>(L.rows.size(0));
   const int64_t R = L.total;
   const Tensor x = to_gpu(randn({R, H}, DType::kBF16, 60)), w_in = to_gpu(randn({G, H, P, F}, DType::kBF16, 61, 0.06));
-  const Tensor w_out = to_gpu(randn({G, F, H}, DType::kBF16, 62, 0.06));
+  const Tensor w_out = to_gpu(randn({G, F, H}, DType::kBF16, 62, 0.06)), d_y = to_gpu(randn({R, H}, DType::kBF16, 63));
   const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
   for (MlpPrecision prec : {MlpPrecision::kHigh, MlpPrecision::kFp8Block}) {
     SCOPED_TRACE(mlp_precision_name(prec));
@@ -539,12 +551,19 @@ TEST(ExpertMlpGpu, ForwardWithRowAlign128IsBitIdentical) {
       MlpTensors t{x, off, rows, {}, w_in, {}, w_out, {}, a, h, y};
       t.row_align = row_align;
       expert_mlp_forward(cfg, t);
-      return std::vector<Tensor>{to_host(a), to_host(h), to_host(y)};
+      std::vector<Tensor> out{to_host(a), to_host(h), to_host(y)};
+      Tensor d_x = to_gpu(Tensor::zeros({R, H}, DType::kBF16));
+      Tensor d_w_in = to_gpu(Tensor::zeros({G, H, P, F}, DType::kF32));
+      Tensor d_w_out = to_gpu(Tensor::zeros({G, F, H}, DType::kF32));
+      expert_mlp_backward(cfg, t, MlpGrads{d_y, d_x, {}, d_w_in, {}, d_w_out, {}});
+      out.push_back(to_host(d_x));
+      out.push_back(to_host(d_w_in));
+      out.push_back(to_host(d_w_out));
+      return out;
     };
     const std::vector<Tensor> want = run(1), got = run(128);
-    EXPECT_TRUE(testing::bit_equal(got[0], want[0])) << "a";
-    EXPECT_TRUE(testing::bit_equal(got[1], want[1])) << "h";
-    EXPECT_TRUE(testing::bit_equal(got[2], want[2])) << "y";
+    const char* names[] = {"a", "h", "y", "d_x", "d_w_in", "d_w_out"};
+    for (int i = 0; i < 6; ++i) EXPECT_TRUE(testing::bit_equal(got[i], want[i])) << names[i];
     for (int g = 0; g < G; ++g)
       for (int64_t r = L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g + 1]; ++r)
         ASSERT_EQ(got[2].item(r * H), 0.0) << "padding row " << r;

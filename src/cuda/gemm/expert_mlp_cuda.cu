@@ -471,7 +471,8 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   __nv_bfloat16* d_a = in_place ? static_cast<__nv_bfloat16*>(t.a.data())
                        : ws   ? ws + R * F
                               : scratch<__nv_bfloat16>(1, static_cast<size_t>(R) * PF);
-  grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream);
+  grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream,
+                     t.row_align);
   detail::phase_mark(stream, "dgrad_fc2");
   act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, R, off, rows, G,
@@ -480,7 +481,8 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   EPX_CHECK_LAUNCH("act_backward_kernel");
   detail::phase_mark(stream, "act");
   // d_x [rows, H] = d_a [rows, P*F] . w_in_g^T, w_in_g [H, P*F] row-major.
-  grouped_dgrad_bf16({d_a, PF, 0}, {t.w_in.data(), PF, H * PF}, d.d_x.data(), H, PF, H, off, rows, G, R, stream);
+  grouped_dgrad_bf16({d_a, PF, 0}, {t.w_in.data(), PF, H * PF}, d.d_x.data(), H, PF, H, off, rows, G, R, stream,
+                     t.row_align);
   zero_padding_kernel<<<row_grid(R), 256, 0, s>>>(H, R, off, rows, G, static_cast<__nv_bfloat16*>(d.d_x.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");
   detail::phase_mark(stream, "dgrad_fc1");
@@ -538,13 +540,13 @@ void grouped_forward_fp8_cuda(const TensorRef& x_q, const TensorRef& x_scales, c
 }
 
 void grouped_dgrad_cuda(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                        const TensorRef& dx, Stream stream) {
+                        const TensorRef& dx, Stream stream, int64_t row_align) {
   const int64_t R = dy.size(0), N = dy.size(1), K = dx.size(1);
   const int G = static_cast<int>(rows.size(0));
   require_bf16_path("epx::grouped_gemm_dgrad", dy, K, N);
   // dx = dy . w^T with w_g [K, N] row-major: as the dgrad kernel's b_g [Nout = K, Kc = N].
   grouped_dgrad_bf16({dy.data(), N, 0}, {w.data(), N, K * N}, dx.data(), K, N, K, offsets.ptr<int32_t>(),
-                     rows.ptr<int32_t>(), G, R, stream);
+                     rows.ptr<int32_t>(), G, R, stream, row_align);
   zero_padding_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(K, R, offsets.ptr<int32_t>(), rows.ptr<int32_t>(), G,
                                                                 static_cast<__nv_bfloat16*>(dx.data()));
   EPX_CHECK_LAUNCH("zero_padding_kernel");

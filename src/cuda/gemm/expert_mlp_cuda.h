@@ -10,7 +10,7 @@ void expert_mlp_backward_cuda(const MlpConfig& config, const MlpTensors& t, cons
 void grouped_forward_cuda(const TensorRef& x, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
                           const TensorRef& y, Stream stream, int64_t row_align = 1);
 void grouped_dgrad_cuda(const TensorRef& dy, const TensorRef& w, const TensorRef& offsets, const TensorRef& rows,
-                        const TensorRef& dx, Stream stream);
+                        const TensorRef& dx, Stream stream, int64_t row_align = 1);
 void grouped_wgrad_cuda(const TensorRef& x, const TensorRef& dy, const TensorRef& offsets, const TensorRef& rows,
                         const TensorRef& dw, bool accumulate, Stream stream);
 void quantize_grouped_weights_fp8_cuda(const TensorRef& w, const TensorRef& w_q, const TensorRef& w_scales,

@@ -32,7 +32,8 @@ void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t
                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
                           int64_t row_align = 1);
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                        const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+                        const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
+                        int64_t row_align = 1);
 /// The forward's and dgrad's schedule: EPX_GEMM_FORWARD_KERNEL=auto (default) | cooperative | pingpong
 /// | contiguous, read at every call (tests and benchmarks switch it). auto: ping-pong 128x128 tiles where
 /// the contraction is at most 2048 deep and groups average at least 1024 rows of capacity (one warp
@@ -42,12 +43,11 @@ void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t l
 /// forward over m-grouped contiguous rows (grouped_forward_bf16_contiguous: no per-group TMA
 /// descriptors; 1.00-1.07x the cooperative kernel on an H200 at every such shape with >= 256 rows a
 /// group), otherwise cooperative 128x256 tiles (ping-pong was level at 256 rows a group, 0.94x with
-/// Zipf-skewed groups and 0.85x at decode). row_align 0 says there is no contiguous kernel (dgrad):
-/// contiguous then means cooperative. contiguous with a row_align that is not a multiple of 128 is an
-/// error.
+/// Zipf-skewed groups and 0.85x at decode). contiguous with a row_align that is not a multiple of 128
+/// is an error.
 enum class ForwardGemmSchedule { kCooperative, kPingpong, kContiguous };
 ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups,
-                                          int64_t row_align = 0);
+                                          int64_t row_align = 1);
 /// The forward over m-grouped contiguous rows (cutlass/contiguous_groups_sm90.cuh): one GEMM over all
 /// rows whose 128-row tiles each load their group's weights, on the cooperative kernel's tiles and
 /// epilogue (the same bits). Every group must start at a multiple of 128 rows; the padding rows of out
@@ -56,6 +56,10 @@ ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capac
 void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                      int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
                                      int64_t total_rows, Stream stream);
+/// The dgrad the same way (b_g [N, K] as grouped_dgrad_bf16's).
+void grouped_dgrad_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+                                   const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
+                                   Stream stream);
 /// The forward and dgrad on the ping-pong schedule (the arguments as above).
 void grouped_forward_bf16_pingpong(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                    int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);

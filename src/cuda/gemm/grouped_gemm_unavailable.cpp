@@ -23,7 +23,11 @@ void grouped_forward_bf16_contiguous(GroupedOperand, GroupedOperand, void*, int6
   unavailable();
 }
 void grouped_dgrad_bf16(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
-                        const int32_t*, int, int64_t, Stream) {
+                        const int32_t*, int, int64_t, Stream, int64_t) {
+  unavailable();
+}
+void grouped_dgrad_bf16_contiguous(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
+                                   const int32_t*, int, int64_t, Stream) {
   unavailable();
 }
 void grouped_wgrad_bf16(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t, const int32_t*,

@@ -6,8 +6,12 @@
 namespace epx::cuda {
 
 void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                        const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
-  if (forward_gemm_schedule(K, total_rows, groups) == ForwardGemmSchedule::kPingpong)
+                        const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
+                        int64_t row_align) {
+  const ForwardGemmSchedule schedule = forward_gemm_schedule(K, total_rows, groups, row_align);
+  if (schedule == ForwardGemmSchedule::kContiguous)
+    return grouped_dgrad_bf16_contiguous(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
+  if (schedule == ForwardGemmSchedule::kPingpong)
     return grouped_dgrad_bf16_pingpong(a, b, out, ld_out, K, N, offsets, rows, groups, stream);
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                              grouped::CooperativeOverwrite>;

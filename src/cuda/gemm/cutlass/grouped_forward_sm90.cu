@@ -19,7 +19,6 @@ ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capac
   if (std::strcmp(v, "cooperative") == 0) return ForwardGemmSchedule::kCooperative;
   if (std::strcmp(v, "pingpong") == 0) return ForwardGemmSchedule::kPingpong;
   if (std::strcmp(v, "contiguous") == 0) {
-    if (row_align == 0) return ForwardGemmSchedule::kCooperative;
     require(aligned, "epx::grouped_gemm_forward", "EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to ",
             "start at a multiple of 128 rows; row_align is ", row_align, ", expected a multiple of 128");
     return ForwardGemmSchedule::kContiguous;
