@@ -39,10 +39,11 @@ void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t l
 /// the contraction is at most 2048 deep and groups average at least 1024 rows of capacity (one warp
 /// group's epilogue runs under the other's MMAs: 1.07-1.09x the cooperative kernel at 32 x 1024 rows,
 /// K = 2048, N = 7168 on an H200, bit-identical; 1.06x the contiguous kernel there); elsewhere, where
-/// row_align (the caller's guarantee: every offsets[g] a multiple of it) is a multiple of 128, the
-/// forward over m-grouped contiguous rows (grouped_forward_bf16_contiguous: no per-group TMA
-/// descriptors; 1.00-1.07x the cooperative kernel on an H200 at every such shape with >= 256 rows a
-/// group), otherwise cooperative 128x256 tiles (ping-pong was level at 256 rows a group, 0.94x with
+/// row_align (the caller's guarantee: every offsets[g] a multiple of it) is a multiple of 128 and
+/// groups average at least 256 rows of capacity, the forward over m-grouped contiguous rows
+/// (grouped_forward_bf16_contiguous: no per-group TMA descriptors; 1.00-1.07x the cooperative kernel on
+/// an H200 at every such shape; the one-GPU DeepSeek-V3 layer with align 128, ~1 block a group, ran
+/// its bf16 forward 1.2x slower with it), otherwise cooperative 128x256 tiles (ping-pong was level at 256 rows a group, 0.94x with
 /// Zipf-skewed groups and 0.85x at decode). contiguous with a row_align that is not a multiple of 128
 /// is an error.
 enum class ForwardGemmSchedule { kCooperative, kPingpong, kContiguous };
