@@ -9,13 +9,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <initializer_list>
 #include <random>
 #include <utility>
 #include <string>
 #include <vector>
 
+#include "common/error_text.h"
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
 #include "epx/tensor.h"
@@ -23,18 +23,11 @@
 namespace epx {
 namespace {
 
+using testing::what_of;
+
 constexpr double kSentinel = -1000.0;  // exactly representable in every data dtype
 constexpr Activation kActivations[] = {Activation::kSwiGLU, Activation::kGeGLU, Activation::kGelu,
                                        Activation::kRelu2};
-
-std::string what_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return std::string(e.what());
-  }
-  return "(no error)";
-}
 
 Tensor ints(const std::vector<int32_t>& v) {
   Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kI32);

@@ -8,11 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/error_text.h"
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
 #include "epx/quant.h"
@@ -20,6 +20,8 @@
 
 namespace epx {
 namespace {
+
+using testing::what_of;
 
 constexpr double kSentinel = -1000.0;  // exactly representable in every data dtype
 
@@ -43,15 +45,6 @@ TensorRef sub(const TensorRef& t, int64_t offset, Shape shape) {
 
 bool same_bits(const TensorRef& a, const TensorRef& b) {
   return a.nbytes() == b.nbytes() && (a.nbytes() == 0 || std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
-}
-
-std::string what_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return std::string(e.what());
-  }
-  return "(no error)";
 }
 
 // ---- gemm --------------------------------------------------------------------------------------

@@ -6,12 +6,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/error_text.h"
 #include "core/scoped_env.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/comm.h"
@@ -27,6 +27,7 @@ namespace {
 
 using testing::to_gpu;
 using testing::to_host;
+using testing::what_of;
 
 double rel_err(const TensorRef& got_any, const TensorRef& want_any) {
   Tensor got = to_host(got_any), want = to_host(want_any);
@@ -67,15 +68,6 @@ Layout make_layout(const std::vector<int>& sizes, int align) {
   L.offsets.ptr<int32_t>()[G] = static_cast<int32_t>(at);
   L.total = at;
   return L;
-}
-
-std::string what_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return std::string(e.what());
-  }
-  return "(no error)";
 }
 
 #define EPX_REQUIRE_GROUPED()                                                                              \
