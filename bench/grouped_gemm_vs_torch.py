@@ -5,44 +5,12 @@ layout: offsets [G+1] (each group padded to `align` rows) and rows [G]; torch on
 Prints one JSON line per shape: both times, torch / epx, the bits compared on the real rows."""
 import argparse
 import json
-import random
 
 import torch
+from torch_grouped_mm_baseline import timed, zipf  # the same protocol and layouts as the two-process runs
 
 from epx import _C
 from epx.torch._tensors import ref
-
-
-def timed(fns, rounds=7, iters=5, warm_s=0.3):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    warm = 0.0
-    while warm < warm_s * 1e3:  # to the sustained clock
-        s.record()
-        for f in fns:
-            f()
-        e.record()
-        torch.cuda.synchronize()
-        warm += max(s.elapsed_time(e), 0.01)
-    t = [[] for _ in fns]
-    order = list(range(len(fns)))
-    rng = random.Random(12345)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for v in order:
-            s.record()
-            for _ in range(iters):
-                fns[v]()
-            e.record()
-            torch.cuda.synchronize()
-            t[v].append(s.elapsed_time(e) / iters * 1e3)
-    return [sorted(x)[len(x) // 2] for x in t]
-
-
-def zipf(G, total, s):
-    w = [1.0 / (g + 1) ** s for g in range(G)]
-    out = [int(total * x / sum(w)) // 8 * 8 for x in w]
-    out[0] += total - sum(out)
-    return out
 
 
 def run(name, sizes, K, N, align):
