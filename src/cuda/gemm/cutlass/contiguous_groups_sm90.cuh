@@ -317,6 +317,44 @@ inline Tables write_tables(grouped::Cache& c, const int32_t* offsets, const int3
   return t;
 }
 
+// One launch of a contiguous kernel: its tables, the arguments every such kernel takes alike (A and
+// the output over all rows, B (N, K, group) with its group stride, the scheduler's cut and band),
+// then `more` (args, tables) for a kernel's own (the FP8 scales), then CUTLASS's checks and the
+// launch. fn names the op in errors, rule what its shapes must satisfy.
+template <class Gemm, class More>
+void launch(int cache_id, GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
+            const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
+            const char* fn, const char* rule, More&& more) {
+  using Kernel = typename Gemm::GemmKernel;
+  if (groups == 0 || total_rows == 0) return;
+  cudaStream_t s = to_cuda(stream);
+  grouped::Cache& c = grouped::cache_for(cache_id);
+  const Tables tables = write_tables(c, offsets, rows, groups, total_rows, s);
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {static_cast<int>(total_rows), static_cast<int>(N), static_cast<int>(K), 1};
+  auto& ml = args.mainloop;
+  ml.ptr_A = static_cast<const typename Kernel::ElementA*>(a.ptr);
+  ml.dA = cute::make_stride(a.ld, cute::_1{}, static_cast<int64_t>(0));
+  ml.ptr_B = static_cast<const typename Kernel::ElementB*>(b.ptr);
+  // N contiguous (the bf16 forward's w_g [K, N]) or K contiguous (dgrad's and FP8's [N, K]).
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(typename Kernel::StrideB{}))>>::value)
+    ml.dB = cute::make_stride(cute::_1{}, b.ld, b.group_stride);
+  else
+    ml.dB = cute::make_stride(b.ld, cute::_1{}, b.group_stride);
+  ml.groups = groups;
+  ml.tile_group = tables.tile_group;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.ptr_D = static_cast<typename Kernel::ElementD*>(out);
+  args.epilogue.dD = cute::make_stride(ld_out, cute::_1{}, static_cast<int64_t>(0));
+  args.epilogue.dC = args.epilogue.dD;
+  args.hw_info = grouped::hardware_info();
+  args.scheduler.row_end = tables.row_end;
+  args.scheduler.band_blocks = band_blocks(total_rows, groups);
+  more(args, tables);
+  grouped::launch<Gemm>(args, c, s, fn, K, N, rule);
+}
+
 }  // namespace epx::cuda::contiguous
 
 namespace cutlass::gemm::kernel::detail {

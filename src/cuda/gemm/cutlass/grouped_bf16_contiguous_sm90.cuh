@@ -6,8 +6,6 @@
 // translation unit, so they compile in parallel.
 #pragma once
 
-#include <type_traits>
-
 #include "cuda/gemm/cutlass/contiguous_groups_sm90.cuh"
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
 
@@ -48,32 +46,8 @@ void run_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int
               const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
               const char* fn) {
   using K_ = Bf16Kernel<LayoutB, kId>;
-  if (groups == 0 || total_rows == 0) return;
-  cudaStream_t s = to_cuda(stream);
-  grouped::Cache& c = grouped::cache_for(K_::kCacheId);
-  const Tables tables = write_tables(c, offsets, rows, groups, total_rows, s);
-  typename K_::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = {static_cast<int>(total_rows), static_cast<int>(N), static_cast<int>(K), 1};
-  auto& ml = args.mainloop;
-  ml.ptr_A = static_cast<const typename K_::Element*>(a.ptr);
-  ml.dA = cute::make_stride(a.ld, cute::_1{}, static_cast<int64_t>(0));
-  // B (N, K, group): N contiguous for the forward's w_g [K, N], K contiguous for dgrad's w_g [N, K].
-  ml.ptr_B = static_cast<const typename K_::Element*>(b.ptr);
-  if constexpr (std::is_same_v<LayoutB, cutlass::layout::RowMajor>)
-    ml.dB = cute::make_stride(cute::_1{}, b.ld, b.group_stride);
-  else
-    ml.dB = cute::make_stride(b.ld, cute::_1{}, b.group_stride);
-  ml.groups = groups;
-  ml.tile_group = tables.tile_group;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.ptr_D = static_cast<typename K_::Element*>(out);
-  args.epilogue.dD = cute::make_stride(ld_out, cute::_1{}, static_cast<int64_t>(0));
-  args.epilogue.dC = args.epilogue.dD;
-  args.hw_info = grouped::hardware_info();
-  args.scheduler.row_end = tables.row_end;
-  args.scheduler.band_blocks = band_blocks(total_rows, groups);
-  grouped::launch<typename K_::Gemm>(args, c, s, fn, K, N, "rows and columns must be multiples of 8 elements");
+  launch<typename K_::Gemm>(K_::kCacheId, a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream, fn,
+                            "rows and columns must be multiples of 8 elements", [](auto&, const Tables&) {});
 }
 
 }  // namespace epx::cuda::contiguous

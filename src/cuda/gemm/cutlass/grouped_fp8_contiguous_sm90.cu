@@ -46,35 +46,19 @@ void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor,
                                     void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                     const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
   using K_ = grouped_fp8::ContiguousKernel;
-  if (groups == 0 || total_rows == 0) return;
-  cudaStream_t s = to_cuda(stream);
-  grouped::Cache& c = grouped::cache_for(K_::kCacheId);
-  const contiguous::Tables tables = contiguous::write_tables(c, offsets, rows, groups, total_rows, s);
-  const int M = static_cast<int>(total_rows), Nn = static_cast<int>(N), Kk = static_cast<int>(K);
-  const int padded_rows = static_cast<int>(tables.row_blocks * contiguous::kTileRows);
-  typename K_::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = {M, Nn, Kk, 1};
-  auto& ml = args.mainloop;
-  ml.ptr_A = static_cast<const K_::ElementA*>(a);
-  ml.dA = cute::make_stride(static_cast<int64_t>(K), cute::_1{}, static_cast<int64_t>(0));
-  ml.ptr_B = static_cast<const K_::ElementB*>(bt);
-  ml.dB = cute::make_stride(static_cast<int64_t>(K), cute::_1{}, static_cast<int64_t>(N * K));
-  ml.ptr_SFA = a_scales_mmajor;
-  ml.layout_SFA = K_::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(padded_rows, Nn, Kk, 1));
-  ml.ptr_SFB = b_scales;
-  ml.layout_SFB = K_::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, Nn, Kk, groups));
-  ml.groups = groups;
-  ml.tile_group = tables.tile_group;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.ptr_D = static_cast<K_::ElementOut*>(out);
-  args.epilogue.dD = cute::make_stride(static_cast<int64_t>(ld_out), cute::_1{}, static_cast<int64_t>(0));
-  args.epilogue.dC = args.epilogue.dD;
-  args.hw_info = grouped::hardware_info();
-  args.scheduler.row_end = tables.row_end;
-  args.scheduler.band_blocks = contiguous::band_blocks(total_rows, groups);
-  grouped::launch<typename K_::Gemm>(args, c, s, "epx::grouped_gemm_forward_fp8", K, N,
-                                     "both must be multiples of 128");
+  // A's scales M-major over whole 128-row blocks; B's per group [K/128, N/128].
+  auto scales = [&](typename K_::Gemm::Arguments& args, const contiguous::Tables& tables) {
+    const int Nn = static_cast<int>(N), Kk = static_cast<int>(K);
+    const int padded_rows = static_cast<int>(tables.row_blocks * contiguous::kTileRows);
+    args.mainloop.ptr_SFA = a_scales_mmajor;
+    args.mainloop.layout_SFA = K_::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(padded_rows, Nn, Kk, 1));
+    args.mainloop.ptr_SFB = b_scales;
+    args.mainloop.layout_SFB =
+        K_::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(static_cast<int>(total_rows), Nn, Kk, groups));
+  };
+  contiguous::launch<K_::Gemm>(K_::kCacheId, {a, K, 0}, {bt, K, N * K}, out, ld_out, K, N, offsets, rows, groups,
+                               total_rows, stream, "epx::grouped_gemm_forward_fp8", "both must be multiples of 128",
+                               scales);
 }
 
 }  // namespace epx::cuda
