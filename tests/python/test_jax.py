@@ -3,11 +3,11 @@ reference (fp64), and on GPUs the layer inside jit + shard_map over every local 
 CPU reference layer. Skips (with the reason) where JAX, the FFI handlers or GPUs are missing."""
 import os
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # epx allocates its group buffers itself
 jax = pytest.importorskip("jax", reason="JAX is not installed: the epx.jax tests need it")
+import numpy as np  # noqa: E402  (JAX brings it; without JAX the module is skipped above)
 import epx  # noqa: E402
 
 if not hasattr(epx._C, "jax_ffi"):

@@ -74,6 +74,7 @@ void grouped_forward_fp8_contiguous(const void*, const float*, const void*, cons
                                     int64_t, const int32_t*, const int32_t*, int, int64_t, Stream) {
   unavailable();
 }
+ForwardGemmSchedule forward_gemm_schedule(int64_t, int64_t, int, int64_t) { return ForwardGemmSchedule::kCooperative; }
 Fp8GemmSchedule fp8_gemm_schedule(int64_t, int, int64_t) { return Fp8GemmSchedule::kCooperative; }
 std::vector<const char*> fp8_gemm_schedule_names() { return {"cooperative", "pingpong", "contiguous"}; }
 
