@@ -6,7 +6,7 @@
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [forward]
 #                            [epbench] [eptrace]
-#                            [layer] [profile] [python] [pip] [pybench] [jaxbench]
+#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -27,6 +27,7 @@
 # the op's launch).
 # eptrace (2+ GPUs) traces bench_ep at EPTRACE_TOKENS tokens (default 128) with Nsight Systems and
 # writes per-kernel and timeline CSVs (eptrace_*.csv).
+# pipeline benches the layer's chunked pipeline and communication overlap (PIPELINES, see the step).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
 # router is the router's whole check in one step, for a build of the two binaries it needs
@@ -308,6 +309,23 @@ if has layer; then
     done
   fi
   cat "$OUT/layer.jsonl"
+fi
+if has pipeline; then
+  # MoEConfig::pipeline_chunks / overlap_communication against the plain layer, in one process run
+  # after another on the same machine: "chunks overlap sms" per variant (PIPELINES), for
+  # PIPELINE_PRESETS (default deepseek-v3); "1 0 0" is the plain layer. pipeline.jsonl.
+  : >"$OUT/pipeline.jsonl"
+  while read -r chunks overlap sms; do
+    [ -z "$chunks" ] && continue
+    timeout 300 "$BUILD/bin/epx" bench layer --preset "${PIPELINE_PRESETS:-deepseek-v3}" --chunks "$chunks" \
+      --overlap "$overlap" --sms "$sms" ${PIPELINE_ARGS:-} >>"$OUT/pipeline.jsonl" 2>>"$OUT/pipeline.err" ||
+      summary "epx bench layer --chunks $chunks --overlap $overlap --sms $sms failed rc=$?"
+  done <<<"$(echo "${PIPELINES:-1 0 0
+1 1 32
+2 1 32
+2 1 0
+4 1 32}" | tr ',' '\n')"
+  cat "$OUT/pipeline.jsonl"
 fi
 if has profile; then
   # Where the layer's time goes: EPX_PROFILE=1 records stream events between the layer's phases.

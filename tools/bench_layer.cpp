@@ -58,6 +58,9 @@ struct LayerBenchOptions {
   bool fp8_weight_cache = false;
   int sms = 0;  // GroupConfig::num_sms
   int align = 16;  // GroupConfig::align: 128 lets the expert GEMMs run over contiguous 128-row blocks
+  int chunks = 1;  // MoEConfig::pipeline_chunks
+  bool overlap = false;  // MoEConfig::overlap_communication
+  bool fp32_expert_grads = false;
 };
 
 int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, int iters, const LayerBenchOptions& o) {
@@ -68,7 +71,9 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     const ShapePreset& p = find_preset(name);
     const int64_t T = tokens > 0 ? tokens : p.tokens;
     MoEConfig c = moe_config(p, DType::kBF16);
-    c.expert_grads_in_dtype = true;  // bf16 weight gradients, as a bf16 PyTorch model keeps them
+    c.expert_grads_in_dtype = !o.fp32_expert_grads;  // bf16 weight gradients, as a bf16 PyTorch model keeps them
+    c.pipeline_chunks = o.chunks;
+    c.overlap_communication = o.overlap;
     c.precision = precision;
     c.fp8_weight_cache = fp8_weight_cache;
     GroupConfig gc = layer_group_config(c, T);
@@ -93,13 +98,17 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     const double flops = 3.0 * run.forward_gemm_flops();  // forward + dgrad + wgrad
     const double floor_us = flops / dense * 1e6;
     if (talk)
-      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\",\"fp8_weight_cache\":%s,\"sm_budget\":%d,\"align\":%d,\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
+      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\",\"fp8_weight_cache\":%s,"
+                  "\"sm_budget\":%d,\"align\":%d,\"chunks\":%d,\"overlap\":%s,\"expert_grads\":\"%s\",\"ranks\":%d,"
+                  "\"tokens\":%lld,\"hidden\":%lld,"
                   "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
                   "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
                   "\"tensor_core_floor_us\":%.1f,\"fwd_bwd_over_floor\":%.3f,\"achieved_tflops_fwd_bwd\":%.1f,"
                   "\"gpu_mem_used_gb\":%.2f,\"gpu_mem_layer_gb\":%.2f,\"registered_gb\":%.3f,\"iters\":%d,"
                   "\"phases_ms_total\":%s}\n",
-                  p.name.c_str(), mlp_precision_name(precision), fp8_weight_cache ? "true" : "false", o.sms, o.align, group.size(), static_cast<long long>(T), static_cast<long long>(c.hidden),
+                  p.name.c_str(), mlp_precision_name(precision), fp8_weight_cache ? "true" : "false", o.sms, o.align,
+                  o.chunks, o.overlap ? "true" : "false", dtype_name(run.layer().grads().w_in.dtype()), group.size(),
+                  static_cast<long long>(T), static_cast<long long>(c.hidden),
                   static_cast<long long>(c.ffn_hidden), static_cast<long long>(c.shared_ffn_hidden),
                   c.router.num_experts, c.router.topk, transport_name(group.transport()), fwd, fwd_bwd, flops / 1e12,
                   dense / 1e12, floor_us, fwd_bwd / floor_us, flops / (fwd_bwd * 1e-6) / 1e12, mem / 1e9,
@@ -118,17 +127,24 @@ int run_bench(const std::vector<std::string>& argv) {
   if (what != "layer") {
     std::printf("usage: epx bench layer [--preset deepseek-v3,mixtral] [--tokens T] [--iters N] [--ranks N]\n"
                 "                       [--precision high|fp8_block|mxfp8] [--fp8-weight-cache 0|1]\n"
-                "                       [--sms N] [--align 16|128]\n"
+                "                       [--sms N] [--align 16|128] [--chunks N] [--overlap 0|1]\n"
+                "                       [--fp32-expert-grads 0|1]\n"
                 "  the MoE layer forward and forward+backward on every local GPU (one process per GPU), with\n"
                 "  the tensor-core floor of its expert GEMMs and the GPU memory in use; JSON lines. fp8_block\n"
                 "  runs the expert GEMMs' forward in FP8 (DeepSeek-V3 block scales; backward in bf16); with the\n"
                 "  weight cache the FP8 weights are made once (as between two optimizer steps), not per forward;\n"
                 "  --sms N gives the EP kernels a budget of N SMs (GroupConfig::num_sms; default 0: none);\n"
                 "  --align pads each expert's rows to a multiple (default 16; 128 runs the expert GEMMs over\n"
-                "  contiguous 128-row blocks, at the price of more padding rows)\n");
+                "  contiguous 128-row blocks, at the price of more padding rows); --chunks N pipelines N token\n"
+                "  chunks through dispatch, expert FFNs and combine, and --overlap 1 runs the collectives on a\n"
+                "  stream of their own beside the FFNs (with --sms, the GEMMs keep SMs); expert weight gradients\n"
+                "  are bf16 unless --fp32-expert-grads 1\n");
     return what == "help" || what == "--help" ? 0 : 2;
   }
-  Args args("epx bench layer", rest, {"preset", "tokens", "iters", "ranks", "precision", "fp8-weight-cache", "sms", "align"}, {});
+  Args args("epx bench layer", rest,
+            {"preset", "tokens", "iters", "ranks", "precision", "fp8-weight-cache", "sms", "align", "chunks", "overlap",
+             "fp32-expert-grads"},
+            {});
   const BuildInfo build = build_info();
   const int gpus = detail::cuda_device_count();
   require_status(build.cuda_backend && build.gpu_grouped_gemm && gpus > 0, Status::kNotSupported, "epx bench layer",
@@ -151,6 +167,11 @@ int run_bench(const std::vector<std::string>& argv) {
   require(o.sms >= 0, "epx bench layer", "--sms is ", o.sms, ", expected >= 0 (0 = no budget)");
   o.align = static_cast<int>(args.integer("align", 16));
   require(o.align == 16 || o.align == 128, "epx bench layer", "--align is ", o.align, ", expected 16 or 128");
+  o.chunks = static_cast<int>(args.integer("chunks", 1));
+  require(o.chunks >= 1 && o.chunks <= MoEConfig::kMaxPipelineChunks, "epx bench layer", "--chunks is ", o.chunks,
+          ", expected 1..", MoEConfig::kMaxPipelineChunks);
+  o.overlap = args.integer("overlap", 0) != 0;
+  o.fp32_expert_grads = args.integer("fp32-expert-grads", 0) != 0;
   return run_on_local_gpus("bench", static_cast<int>(args.integer("ranks", gpus)), gpus, argv,
                            [&] { return bench_layer_rank(presets, tokens, iters, o); });
 }

@@ -136,7 +136,9 @@ void bind_configs(nb::module_& m) {
       .def_rw("precision", &MoEConfig::precision)
       .def_rw("expert_grads_in_dtype", &MoEConfig::expert_grads_in_dtype)
       .def_rw("backward_keeps_saved", &MoEConfig::backward_keeps_saved)
-      .def_rw("fp8_weight_cache", &MoEConfig::fp8_weight_cache);
+      .def_rw("fp8_weight_cache", &MoEConfig::fp8_weight_cache)
+      .def_rw("pipeline_chunks", &MoEConfig::pipeline_chunks)
+      .def_rw("overlap_communication", &MoEConfig::overlap_communication);
   nb::class_<ShapePreset>(m, "ShapePreset")
       .def_ro("name", &ShapePreset::name)
       .def_ro("description", &ShapePreset::description)

@@ -121,6 +121,10 @@ struct MlpConfig {
   /// gradient buffer or an extra pass (the GPU wgrad adds in its epilogue). Needs fp32 gradients
   /// (fp64 for fp64 weights); an expert without rows keeps its gradient as it was.
   bool accumulate_weight_grads = false;
+  /// Lets accumulate_weight_grads add into gradients in the weights' own dtype (bf16, fp16):
+  /// round(old + sum) with the sum in fp32, so one more rounding per call. For a bounded number of
+  /// calls, such as a layer's pipeline chunks; many microbatches belong in fp32 gradients.
+  bool accumulate_in_weight_dtype = false;
 };
 
 /// Tensors of the expert FFN. Forward reads x, offsets, rows, row_weights (early only), the

@@ -27,6 +27,10 @@
 
 namespace epx {
 
+namespace detail {
+class SideStream;
+}
+
 struct MoEConfig {
   int64_t hidden = 0;
   int64_t ffn_hidden = 0;
@@ -53,6 +57,23 @@ struct MoEConfig {
   /// (an optimizer step); forwards between two changes (gradient-accumulation microbatches) then
   /// skip the weight pass. Off by default: nothing can go stale.
   bool fp8_weight_cache = false;
+  /// Splits each rank's tokens into this many chunks (1..16) of ceil(T / n) rows (the last ones
+  /// shorter or empty; every rank runs all n), each with its own routing handle and expert-major
+  /// buffers (each the group's recv capacity: their memory grows with n), taken through dispatch,
+  /// the expert FFNs and combine one after another, so that with overlap_communication a chunk's
+  /// FFN runs while another chunk's tokens travel. Results equal the one-chunk layer's bit for bit,
+  /// except the routed experts' weight gradients, which add up the chunks' (each sum in fp32, then
+  /// one rounding to the gradient's dtype per chunk: with expert_grads_in_dtype on a bf16 layer,
+  /// one bf16 rounding per chunk). Needs dropless routing (capacity is decided over the whole batch).
+  int pipeline_chunks = 1;
+  static constexpr int kMaxPipelineChunks = 16;
+  /// Runs the layer's collectives (prepare, dispatch, combine, their backward, the statistics'
+  /// all-reduce) on a stream of the layer's own, ordered with the caller's stream by events: the
+  /// shared experts run while the tokens travel, and with pipeline_chunks > 1 chunk c's FFN runs
+  /// while later chunks are dispatched and earlier ones combined. Give the communication kernels an
+  /// SM budget (GroupConfig::num_sms) so that the GEMMs keep SMs beside them. No effect on results;
+  /// on the CPU reference the steps run in the same order, one after another.
+  bool overlap_communication = false;
 
   void validate(const char* fn, const Group& group) const;
   int projections() const { return is_gated(activation) ? 2 : 1; }
@@ -82,7 +103,9 @@ class MoEContext {
 
   /// [2] {aux_loss, z_loss} on the layer's device, filled by forward.
   const Tensor& losses() const;
-  const Handle& handle() const;
+  /// The routing of pipeline chunk `chunk` (MoEConfig::pipeline_chunks; 0 is the only one by default).
+  const Handle& handle(int chunk = 0) const;
+  int num_chunks() const;
   /// [T, K] router outputs of the forward.
   const Tensor& topk_idx() const;
   const Tensor& topk_weights() const;
@@ -161,6 +184,7 @@ class MoELayer {
   MoEParams params_;
   MoEParams grads_;
   Tensor fp8_w_in_q_, fp8_w_in_scales_, fp8_w_out_q_, fp8_w_out_scales_;  // fp8_weight_cache
+  std::unique_ptr<detail::SideStream> comm_stream_;                      // overlap_communication
 };
 
 }  // namespace epx

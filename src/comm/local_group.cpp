@@ -86,6 +86,7 @@ class LocalGroup final : public GroupState {
 
   void all_reduce_sum(const TensorRef&, Stream) override {}  // one rank: the sum is the buffer
 
+  void reserve_handles(size_t handles) override { pool_->reserve(handles); }
   void check() override {
     DeviceGuard g(device.index);
     EPX_CUDA_CHECK(cudaDeviceSynchronize());

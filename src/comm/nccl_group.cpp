@@ -517,6 +517,7 @@ class NcclGroup final : public GroupState {
     note_exchange(stream, kOpReduce);
   }
 
+  void reserve_handles(size_t handles) override { pool_->reserve(handles); }
   void check() override {
     DeviceGuard g(device.index);
     if (transport == Transport::kStaged) wait_for_last_exchange();

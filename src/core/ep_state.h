@@ -99,6 +99,9 @@ struct GroupState {
                                  const TensorRef& d_x, const TensorRef& d_topk_weights, Stream stream) = 0;
   virtual void all_reduce_sum(const TensorRef& buffer, Stream stream) = 0;
   virtual void check() = 0;
+  /// Makes room for `handles` live handles without allocating in prepare() (where a cudaMalloc
+  /// could wait for a peer's kernel that waits for this rank): called by layers that keep several.
+  virtual void reserve_handles(size_t) {}
 };
 
 /// Worst-case expert-major rows one rank can receive: every token of every rank sends

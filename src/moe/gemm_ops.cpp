@@ -355,15 +355,17 @@ void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const Mlp
             "combine_backward)");
   check_wide_or_same(fn, "d_w_in", g.d_w_in, {d.G, d.H, d.P, d.F}, wdt);
   check_wide_or_same(fn, "d_w_out", g.d_w_out, {d.G, d.F, d.H}, wdt);
-  check_accumulate(fn, "d_w_in", g.d_w_in, config.accumulate_weight_grads);
-  check_accumulate(fn, "d_w_out", g.d_w_out, config.accumulate_weight_grads);
+  // accumulate_in_weight_dtype: check_wide_or_same above already holds them to fp32 or the weights' dtype.
+  const bool acc_wide = config.accumulate_weight_grads && !config.accumulate_in_weight_dtype;
+  check_accumulate(fn, "d_w_in", g.d_w_in, acc_wide);
+  check_accumulate(fn, "d_w_out", g.d_w_out, acc_wide);
   if (d.bias) {
     require(g.d_b_in.defined(), fn, "d_b_in is missing (the layer has biases: b_in and b_out are given)");
     require(g.d_b_out.defined(), fn, "d_b_out is missing (the layer has biases: b_in and b_out are given)");
     check_wide_or_same(fn, "d_b_in", g.d_b_in, {d.G, d.P, d.F}, wdt);
     check_wide_or_same(fn, "d_b_out", g.d_b_out, {d.G, d.H}, wdt);
-    check_accumulate(fn, "d_b_in", g.d_b_in, config.accumulate_weight_grads);
-    check_accumulate(fn, "d_b_out", g.d_b_out, config.accumulate_weight_grads);
+    check_accumulate(fn, "d_b_in", g.d_b_in, acc_wide);
+    check_accumulate(fn, "d_b_out", g.d_b_out, acc_wide);
   } else {
     require(!g.d_b_in.defined() && !g.d_b_out.defined(), fn, g.d_b_in.defined() ? "d_b_in" : "d_b_out",
             " is given but the layer has no biases (b_in and b_out are absent)");

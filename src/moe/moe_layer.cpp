@@ -2,20 +2,29 @@
 // every backend (the host reference with simulated ranks, and the GPU one).
 //
 // Forward:  logits = x . gate (fp32 accumulate)   -> route_forward (topk_idx, topk_weights, stats)
-//           prepare (capacity)  -> count_routed on the KEPT routing -> all-reduce the statistics
-//           -> router_losses    -> dispatch_forward -> expert_mlp_forward -> combine_forward
-//           (+ shared experts on x, added after the routed sum).
-// Backward: shared experts backward; combine_backward; expert_mlp_backward; dispatch_backward;
-//           route_backward; gate: d_logits is rounded to the layer dtype for the two gate GEMMs
-//           (operands in the layer dtype, as a tensor-core GEMM takes them).
+//           per chunk: prepare (capacity) -> dispatch_forward; then count_routed on the KEPT
+//           routing -> all-reduce the statistics -> router_losses; shared experts on x; per chunk:
+//           expert_mlp_forward; per chunk: combine_forward; out += shared experts' output.
+// Backward: per chunk combine_backward; shared experts backward; per chunk expert_mlp_backward
+//           (the chunks' weight gradients add up); per chunk dispatch_backward; route_backward;
+//           gate: d_logits is rounded to the layer dtype for the two gate GEMMs (operands in the
+//           layer dtype, as a tensor-core GEMM takes them).
+// The collectives (prepare, dispatch, combine, the all-reduce) and the few ops between them run on
+// `comm`, the FFNs and GEMMs on the caller's stream: with overlap_communication `comm` is the
+// layer's side stream, and events order it with the caller's stream (all collectives first, so a
+// chunk's dispatch never waits behind an FFN); otherwise it is the caller's stream, and the same
+// order runs one op after another. Every rank issues the collectives in the same order.
 // Statistics are one contiguous buffer [scalars(2) | prob_sum(S*E) | counts(S*E)] so the global-
 // batch loss needs a single all-reduce; the sequence loss reduces only the scalars.
 #include "epx/moe.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/check.h"
 #include "core/device_memory.h"
+#include "core/ep_state.h"
+#include "core/stream_order.h"
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "moe/elementwise.h"
@@ -26,16 +35,24 @@ using detail::check_device;
 using detail::check_tensor;
 
 struct MoEContext::State {
+  // One pipeline chunk: a slice of the tokens with its own routing and expert-major buffers.
+  struct Chunk {
+    int64_t begin = 0, end = 0;  // token rows [begin, end)
+    Handle handle;
+    Tensor recv_x, recv_scales, recv_weights, a, h, y;
+    Tensor d_y, d_recv_weights, d_recv_x;  // backward scratch
+  };
+
   int num_tokens = 0;
   TensorRef x;  // the caller's input, read again by backward (gate and shared-expert gradients)
   Tensor logits, topk_idx, topk_weights, stats_buffer, losses;
   RouterStats stats;
-  Handle handle;
-  Tensor x_q, x_scales, recv_x, recv_scales, recv_weights, a, h, y;
+  std::vector<Chunk> chunks;
+  Tensor x_q, x_scales;
   Tensor shared_offsets, shared_rows, shared_a, shared_h, shared_y;
   int64_t shared_tokens = -1;  // T that shared_offsets / shared_rows describe
   // Backward scratch, kept so that a reused context allocates nothing after its first step.
-  Tensor d_y, d_recv_weights, d_recv_x, d_x_routed, d_topk_weights, d_logits, d_logits_dt, d_x_acc, d_x_shared;
+  Tensor d_x_routed, d_topk_weights, d_logits, d_logits_dt, d_x_acc, d_x_shared;
   bool used_by_backward = false;
 };
 
@@ -48,7 +65,13 @@ MoEContext::State& MoEContext::state() const {
   return *state_;
 }
 const Tensor& MoEContext::losses() const { return state().losses; }
-const Handle& MoEContext::handle() const { return state().handle; }
+const Handle& MoEContext::handle(int chunk) const {
+  const State& s = state();
+  require(chunk >= 0 && chunk < static_cast<int>(s.chunks.size()), "epx::MoEContext::handle", "chunk is ", chunk,
+          ", expected 0..", static_cast<int>(s.chunks.size()) - 1);
+  return s.chunks[chunk].handle;
+}
+int MoEContext::num_chunks() const { return static_cast<int>(state().chunks.size()); }
 const Tensor& MoEContext::topk_idx() const { return state().topk_idx; }
 const Tensor& MoEContext::topk_weights() const { return state().topk_weights; }
 const RouterStats& MoEContext::router_stats() const { return state().stats; }
@@ -92,6 +115,64 @@ void mark_phase(Device dev, Stream stream, const char* name) {
   if (dev.is_cuda()) detail::phase_mark(stream, name);
 }
 
+// Chunk i holds token rows [i * ceil(T / n), (i + 1) * ceil(T / n)) clipped to T. The previous
+// step's handles are given back first, so that prepare takes the same blocks again (addresses a
+// captured graph keeps).
+void split_into_chunks(MoEContext::State& s, int64_t T, int n) {
+  s.chunks.resize(n);
+  const int64_t per = (T + n - 1) / n;
+  for (int i = 0; i < n; ++i) {
+    s.chunks[i].handle = Handle();
+    s.chunks[i].begin = std::min<int64_t>(T, i * per);
+    s.chunks[i].end = std::min<int64_t>(T, (i + 1) * per);
+  }
+}
+
+TensorRef rows_of(const TensorRef& t, const MoEContext::State::Chunk& k) { return t.slice_rows(k.begin, k.end); }
+
+// The caller's stream (`main`) runs the GEMMs and FFNs, `comm` the collectives: the layer's side
+// stream with overlap_communication on a GPU, else the caller's, and then nothing needs ordering.
+// Event slots: 0 fork, 1 join, 2 + 2i chunk i's collective done, 3 + 2i chunk i's FFN done.
+struct Streams {
+  detail::SideStream* side;
+  Device dev;
+  Stream main, comm;
+
+  static int events(int chunks) { return 2 + 2 * chunks; }
+  Streams(detail::SideStream* side_stream, Device device, Stream caller)
+      : side(side_stream), dev(device), main(caller), comm(side ? side->stream() : caller) {}
+  void fork() {
+    if (!side) return;
+    side->record(main, 0);
+    side->wait(comm, 0);
+    mark_comm("");
+  }
+  void join() {
+    if (!side) return;
+    side->record(comm, 1);
+    side->wait(main, 1);
+  }
+  void comm_done(int i) {
+    if (side) side->record(comm, 2 + 2 * i);
+  }
+  void main_waits(int i) {
+    if (!side) return;
+    side->wait(main, 2 + 2 * i);
+    mark_main("");
+  }
+  void main_done(int i) {
+    if (side) side->record(main, 3 + 2 * i);
+  }
+  // A start mark after the wait: the time spent waiting for the FFN counts in no phase.
+  void comm_waits(int i) {
+    if (!side) return;
+    side->wait(comm, 3 + 2 * i);
+    mark_comm("");
+  }
+  void mark_main(const char* name) { mark_phase(dev, main, name); }
+  void mark_comm(const char* name) { mark_phase(dev, comm, name); }
+};
+
 }  // namespace
 
 void MoEConfig::validate(const char* fn, const Group& group) const {
@@ -110,6 +191,13 @@ void MoEConfig::validate(const char* fn, const Group& group) const {
   require(shared_ffn_hidden >= 0, fn, "config.shared_ffn_hidden is ", shared_ffn_hidden, ", expected >= 0");
   require(precision == MlpPrecision::kHigh || dtype != DType::kF64, fn, "config.precision is ",
           mlp_precision_name(precision), ", which needs a bf16, fp16 or fp32 layer, not fp64");
+  require(pipeline_chunks >= 1 && pipeline_chunks <= kMaxPipelineChunks, fn, "config.pipeline_chunks is ",
+          pipeline_chunks, ", expected 1..", kMaxPipelineChunks);
+  if (pipeline_chunks > 1) {
+    require(capacity.capacity_factor == 0, fn, "config.pipeline_chunks is ", pipeline_chunks,
+            ", which needs dropless routing (capacity.capacity_factor 0, not ", capacity.capacity_factor,
+            "): the capacity is decided over the whole batch, not per chunk");
+  }
 }
 
 MoELayer::MoELayer(Group& group, const MoEConfig& config, ParamStorage storage) : group_(group), config_(config) {
@@ -129,6 +217,11 @@ MoELayer::MoELayer(Group& group, const MoEConfig& config, ParamStorage storage) 
     specs_.push_back({"shared_w_in", &MoEParams::shared_w_in, {1, H, P, Fs}, dt, gt, true});
     specs_.push_back({"shared_w_out", &MoEParams::shared_w_out, {1, Fs, H}, dt, gt, true});
   }
+  // Two contexts in flight, each holding a handle per chunk.
+  if (config.pipeline_chunks > 1) group.state().reserve_handles(2 * static_cast<size_t>(config.pipeline_chunks) + 2);
+  // Made here, not at the first forward, which may be under a CUDA graph capture.
+  if (config.overlap_communication && group.device().is_cuda())
+    comm_stream_ = std::make_unique<detail::SideStream>(group.device(), Streams::events(config.pipeline_chunks));
   if (storage == ParamStorage::kExternal) return;
   const Device dev = group.device();
   for (const ParamSpec& p : specs_) {
@@ -202,74 +295,34 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   s.num_tokens = static_cast<int>(T);
   s.x = x;
   s.used_by_backward = false;
-  s.handle = Handle();  // gives the routing block back before prepare takes one (same addresses)
-  auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
-  mark("");
+  split_into_chunks(s, T, c.pipeline_chunks);
+  Streams st(comm_stream_.get(), dev, stream);
+  const int C = c.pipeline_chunks;
 
-  // Router.
+  // Every buffer first: no allocation between two collectives (one process driving several GPUs
+  // must not allocate while a peer's collective waits for this rank).
+  const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
+  const bool fp8 = c.precision != MlpPrecision::kHigh;
+  const QuantRecipe rr =
+      c.precision == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
   ensure(s.logits, {T, E}, gt, dev);
-  gemm(x, params_.gate, s.logits, false, false, false, stream);
   ensure(s.topk_idx, {T, K}, DType::kI32, dev);
   ensure(s.topk_weights, {T, K}, gt, dev);
-  ensure_zeros(s.stats_buffer, {2 + 2 * S * E}, gt, dev, stream);
-  s.stats.scalars = sub(s.stats_buffer, 0, {2});
-  s.stats.prob_sum = sub(s.stats_buffer, 2, {S, E});
-  s.stats.counts = sub(s.stats_buffer, 2 + S * E, {S, E});
-  route_forward(c.router, s.logits, params_.expert_bias, s.topk_idx, s.topk_weights, s.stats, stream);
-  mark("fwd.gate_route");
-  s.handle = prepare(group_, s.topk_idx, s.topk_weights, c.capacity, stream);
-  mark("fwd.prepare");
-  count_routed(c.router, s.handle.routed_experts(), s.stats, stream);
-  all_reduce_sum(group_, c.router.aux_loss == AuxLossType::kSequence ? s.stats.scalars : s.stats_buffer.ref(), stream);
   ensure(s.losses, {2}, gt, dev);
-  router_losses(c.router, s.stats, s.losses, stream);
-  mark("fwd.stats_losses");
-
-  // Routed experts.
-  const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
-  ensure(s.recv_weights, {cap}, gt, dev);
-  if (c.precision == MlpPrecision::kHigh) {
-    ensure(s.recv_x, {cap, H}, c.dtype, dev);
-    dispatch_forward(group_, s.handle, x, s.topk_weights, s.recv_x, s.recv_weights, stream);
-  } else {
-    // Quantize once at the source; fp8 rows and their scales travel and feed the FP8 GEMM directly.
-    const QuantRecipe rr = c.precision == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
+  if (fp8) {
     ensure(s.x_q, {T, H}, DType::kF8E4M3, dev);
     ensure(s.x_scales, quant_scale_shape(rr, T, H), quant_scale_dtype(rr), dev);
-    QuantOptions qo;
-    qo.mx_rounding = E8M0Rounding::kCeil;  // as the expert FFN quantizes (see MlpPrecision)
-    quantize(rr, x, s.x_q, s.x_scales, qo, stream);
-    ensure(s.recv_x, {cap, H}, DType::kF8E4M3, dev);
-    ensure(s.recv_scales, quant_scale_shape(rr, cap, H), quant_scale_dtype(rr), dev);
-    dispatch_forward(group_, s.handle, s.x_q, s.x_scales, s.topk_weights, s.recv_x, s.recv_scales, s.recv_weights,
-                     stream);
   }
-  mark("fwd.dispatch");
-  ensure(s.a, {cap, P, F}, c.dtype, dev);
-  ensure(s.h, {cap, F}, c.dtype, dev);
-  ensure(s.y, {cap, H}, c.dtype, dev);
-  MlpConfig mc{c.activation, c.apply_weights_early, c.precision};
-  MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
-                c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
-                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
-  mt.row_align = group_.config().align;
-  if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda()) {
-    if (!fp8_w_in_q_.defined()) refresh_fp8_weights(stream);
-    mt.w_in_q = fp8_w_in_q_;
-    mt.w_in_q_scales = fp8_w_in_scales_;
-    mt.w_out_q = fp8_w_out_q_;
-    mt.w_out_q_scales = fp8_w_out_scales_;
+  for (MoEContext::State::Chunk& k : s.chunks) {
+    ensure(k.recv_weights, {cap}, gt, dev);
+    ensure(k.recv_x, {cap, H}, fp8 ? DType::kF8E4M3 : c.dtype, dev);
+    if (fp8) ensure(k.recv_scales, quant_scale_shape(rr, cap, H), quant_scale_dtype(rr), dev);
+    ensure(k.a, {cap, P, F}, c.dtype, dev);
+    ensure(k.h, {cap, F}, c.dtype, dev);
+    ensure(k.y, {cap, H}, c.dtype, dev);
   }
-  {
-    detail::PhasePrefix in_ffn("fwd.ffn.");
-    expert_mlp_forward(mc, mt, stream);
-  }
-  mark("fwd.ffn");
-  combine_forward(group_, s.handle, s.y, c.apply_weights_early ? TensorRef() : s.recv_weights.ref(), out, stream);
-  mark("fwd.combine");
-
-  // Shared experts: one dense FFN over all tokens, as a one-group grouped FFN.
-  if (c.shared_ffn_hidden > 0) {
+  const bool shared = c.shared_ffn_hidden > 0;
+  if (shared) {
     const int64_t Fs = c.shared_ffn_hidden;
     // One group of T rows; a synchronous copy, so only when T changes.
     if (s.shared_tokens != T || !(s.shared_rows.device() == dev)) {
@@ -280,14 +333,88 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     ensure(s.shared_a, {T, P, Fs}, c.dtype, dev);
     ensure(s.shared_h, {T, Fs}, c.dtype, dev);
     ensure(s.shared_y, {T, H}, c.dtype, dev);
-    MlpTensors st{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
+  }
+  if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda() && !fp8_w_in_q_.defined())
+    refresh_fp8_weights(stream);
+  st.mark_main("");
+
+  // Router, on every token at once.
+  gemm(x, params_.gate, s.logits, false, false, false, stream);
+  ensure_zeros(s.stats_buffer, {2 + 2 * S * E}, gt, dev, stream);
+  s.stats.scalars = sub(s.stats_buffer, 0, {2});
+  s.stats.prob_sum = sub(s.stats_buffer, 2, {S, E});
+  s.stats.counts = sub(s.stats_buffer, 2 + S * E, {S, E});
+  route_forward(c.router, s.logits, params_.expert_bias, s.topk_idx, s.topk_weights, s.stats, stream);
+  if (fp8) {
+    // Quantize once at the source; fp8 rows and their scales travel and feed the FP8 GEMM directly.
+    QuantOptions qo;
+    qo.mx_rounding = E8M0Rounding::kCeil;  // as the expert FFN quantizes (see MlpPrecision)
+    quantize(rr, x, s.x_q, s.x_scales, qo, stream);
+  }
+  st.mark_main("fwd.gate_route");
+  st.fork();
+
+  // Collectives: every chunk's routing and dispatch, then the statistics (the losses are read
+  // after the layer only).
+  for (int i = 0; i < C; ++i) {
+    MoEContext::State::Chunk& k = s.chunks[i];
+    k.handle = prepare(group_, rows_of(s.topk_idx, k), rows_of(s.topk_weights, k), c.capacity, st.comm);
+    st.mark_comm("fwd.prepare");
+    if (fp8)
+      dispatch_forward(group_, k.handle, rows_of(s.x_q, k), rows_of(s.x_scales, k), rows_of(s.topk_weights, k),
+                       k.recv_x, k.recv_scales, k.recv_weights, st.comm);
+    else
+      dispatch_forward(group_, k.handle, rows_of(x, k), rows_of(s.topk_weights, k), k.recv_x, k.recv_weights, st.comm);
+    st.mark_comm("fwd.dispatch");
+    st.comm_done(i);
+  }
+  // Dropless chunks keep every routed pair, so the counts come from the router's own output.
+  count_routed(c.router, C == 1 ? s.chunks[0].handle.routed_experts() : s.topk_idx.ref(), s.stats, st.comm);
+  all_reduce_sum(group_, c.router.aux_loss == AuxLossType::kSequence ? s.stats.scalars : s.stats_buffer.ref(), st.comm);
+  router_losses(c.router, s.stats, s.losses, st.comm);
+  st.mark_comm("fwd.stats_losses");
+
+  // Shared experts: one dense FFN over all tokens (a one-group grouped FFN), while the tokens travel.
+  if (shared) {
+    MlpTensors sh{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
-    {
-      detail::PhasePrefix in_shared("fwd.shared.");
-      expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, st, stream);
+    detail::PhasePrefix in_shared("fwd.shared.");
+    expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, sh, stream);
+  }
+  st.mark_main("fwd.shared");
+
+  // Routed experts, chunk by chunk as their tokens arrive.
+  for (int i = 0; i < C; ++i) {
+    MoEContext::State::Chunk& k = s.chunks[i];
+    st.main_waits(i);
+    MlpTensors mt{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
+                  c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
+                  params_.w_in, params_.b_in, params_.w_out, params_.b_out, k.a, k.h, k.y, k.recv_scales};
+    mt.row_align = group_.config().align;
+    if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda()) {
+      mt.w_in_q = fp8_w_in_q_;
+      mt.w_in_q_scales = fp8_w_in_scales_;
+      mt.w_out_q = fp8_w_out_q_;
+      mt.w_out_q_scales = fp8_w_out_scales_;
     }
+    {
+      detail::PhasePrefix in_ffn("fwd.ffn.");
+      expert_mlp_forward(MlpConfig{c.activation, c.apply_weights_early, c.precision}, mt, stream);
+    }
+    st.mark_main("fwd.ffn");
+    st.main_done(i);
+  }
+  for (int i = 0; i < C; ++i) {
+    MoEContext::State::Chunk& k = s.chunks[i];
+    st.comm_waits(i);
+    combine_forward(group_, k.handle, k.y, c.apply_weights_early ? TensorRef() : k.recv_weights.ref(), rows_of(out, k),
+                    st.comm);
+    st.mark_comm("fwd.combine");
+  }
+  st.join();
+  if (shared) {
     detail::add(out, s.shared_y, out, stream);
-    mark("fwd.shared");
+    st.mark_main("fwd.shared_add");
   }
 }
 
@@ -334,58 +461,82 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
           " (MoEConfig::expert_grads_in_dtype)");
   const DType gt = accum_dtype(c.dtype);
   const int64_t cap = group_.recv_capacity_rows();
-  auto mark = [&](const char* name) { mark_phase(dev, stream, name); };
-  mark("");
+  const int C = static_cast<int>(s.chunks.size());
+  Streams st(comm_stream_.get(), dev, stream);
 
-  // Routed experts, from the output back to the tokens.
-  const Tensor& d_y = ensure(s.d_y, {cap, H}, c.dtype, dev);
-  const Tensor& d_recv_weights = ensure(s.d_recv_weights, {cap}, gt, dev);
-  const TensorRef combine_weights = c.apply_weights_early ? TensorRef() : s.recv_weights.ref();
-  combine_backward(group_, s.handle, d_out, s.y, combine_weights, d_y,
-                   c.apply_weights_early ? TensorRef() : d_recv_weights.ref(), stream);
-  mark("bwd.combine");
-  const Tensor& d_recv_x = ensure(s.d_recv_x, {cap, H}, c.dtype, dev);
-  MlpTensors mt{s.recv_x, s.handle.expert_offsets(), s.handle.expert_rows(),
-                c.apply_weights_early ? s.recv_weights.ref() : TensorRef(),
-                params_.w_in, params_.b_in, params_.w_out, params_.b_out, s.a, s.h, s.y, s.recv_scales};
-  MlpGrads mg{d_y, d_recv_x, c.apply_weights_early ? d_recv_weights.ref() : TensorRef(),
-              grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
-  {
-    detail::PhasePrefix in_ffn("bwd.ffn.");
-    expert_mlp_backward(MlpConfig{c.activation, c.apply_weights_early, c.precision, consume, acc}, mt, mg, stream);
+  // Every buffer first (see forward).
+  for (MoEContext::State::Chunk& k : s.chunks) {
+    ensure(k.d_y, {cap, H}, c.dtype, dev);
+    ensure(k.d_recv_weights, {cap}, gt, dev);
+    ensure(k.d_recv_x, {cap, H}, c.dtype, dev);
   }
-  mark("bwd.ffn");
   const Tensor& d_x_routed = ensure(s.d_x_routed, {T, H}, c.dtype, dev);
   const Tensor& d_topk_weights = ensure(s.d_topk_weights, {T, K}, gt, dev);
-  dispatch_backward(group_, s.handle, d_recv_x, d_recv_weights, d_x_routed, d_topk_weights, stream);
-  mark("bwd.dispatch");
+  const Tensor& d_logits = ensure(s.d_logits, {T, E}, gt, dev);
+  const Tensor& d_logits_dt = c.dtype == gt ? d_logits : ensure(s.d_logits_dt, {T, E}, c.dtype, dev);
+  const Tensor& d_x_acc = ensure(s.d_x_acc, {T, H}, gt, dev);
+  const bool shared = c.shared_ffn_hidden > 0;
+  if (shared) ensure(s.d_x_shared, {T, H}, c.dtype, dev);
+  st.mark_main("");
+  st.fork();
+
+  // Every chunk's output gradient to its experts.
+  for (int i = 0; i < C; ++i) {
+    MoEContext::State::Chunk& k = s.chunks[i];
+    const bool early = c.apply_weights_early;
+    combine_backward(group_, k.handle, rows_of(d_out, k), k.y, early ? TensorRef() : k.recv_weights.ref(), k.d_y,
+                     early ? TensorRef() : k.d_recv_weights.ref(), st.comm);
+    st.mark_comm("bwd.combine");
+    st.comm_done(i);
+  }
+
+  // Shared experts, while the gradients travel.
+  if (shared) {
+    MlpTensors sh{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
+                  s.shared_a, s.shared_h, s.shared_y};
+    MlpGrads sg{d_out, s.d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
+    detail::PhasePrefix in_shared("bwd.shared.");
+    expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume, acc}, sh, sg, stream);
+  }
+  st.mark_main("bwd.shared");
+
+  // Routed experts chunk by chunk; the weight gradients of the chunks after the first add to the first's.
+  for (int i = 0; i < C; ++i) {
+    MoEContext::State::Chunk& k = s.chunks[i];
+    st.main_waits(i);
+    MlpTensors mt{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
+                  c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
+                  params_.w_in, params_.b_in, params_.w_out, params_.b_out, k.a, k.h, k.y, k.recv_scales};
+    MlpGrads mg{k.d_y, k.d_recv_x, c.apply_weights_early ? k.d_recv_weights.ref() : TensorRef(),
+                grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
+    {
+      detail::PhasePrefix in_ffn("bwd.ffn.");
+      MlpConfig mc{c.activation, c.apply_weights_early, c.precision, consume, acc || i > 0};
+      mc.accumulate_in_weight_dtype = i > 0;  // bf16 expert gradients: one rounding per chunk
+      expert_mlp_backward(mc, mt, mg, stream);
+    }
+    st.mark_main("bwd.ffn");
+    st.main_done(i);
+  }
+  for (int i = 0; i < C; ++i) {
+    MoEContext::State::Chunk& k = s.chunks[i];
+    st.comm_waits(i);
+    dispatch_backward(group_, k.handle, k.d_recv_x, k.d_recv_weights, rows_of(d_x_routed, k),
+                      rows_of(d_topk_weights, k), st.comm);
+    st.mark_comm("bwd.dispatch");
+  }
+  st.join();
 
   // Router and gate.
-  const Tensor& d_logits = ensure(s.d_logits, {T, E}, gt, dev);
   route_backward(c.router, s.logits, params_.expert_bias, s.topk_idx, d_topk_weights, s.stats, d_aux, d_z, d_logits,
                  stream);
-  const Tensor& d_logits_dt = c.dtype == gt ? d_logits : ensure(s.d_logits_dt, {T, E}, c.dtype, dev);
   if (c.dtype != gt) detail::cast(d_logits, d_logits_dt, stream);
   gemm(s.x, d_logits_dt, grads_.gate, true, false, acc, stream);
-  const Tensor& d_x_acc = ensure(s.d_x_acc, {T, H}, gt, dev);
   gemm(d_logits_dt, params_.gate, d_x_acc, false, true, false, stream);
   detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
-  mark("bwd.route_gate");
-
-  if (c.shared_ffn_hidden > 0) {
-    const Tensor& d_x_shared = ensure(s.d_x_shared, {T, H}, c.dtype, dev);
-    MlpTensors st{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
-                  s.shared_a, s.shared_h, s.shared_y};
-    MlpGrads sg{d_out, d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
-    {
-      detail::PhasePrefix in_shared("bwd.shared.");
-      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume, acc}, st, sg, stream);
-    }
-    detail::add(d_x_acc, d_x_shared, d_x_acc, stream);
-    mark("bwd.shared");
-  }
+  if (shared) detail::add(d_x_acc, s.d_x_shared, d_x_acc, stream);
   detail::cast(d_x_acc, d_x, stream);
-  mark("bwd.finish");
+  st.mark_main("bwd.route_gate");
   s.used_by_backward = true;
 }
 

@@ -1,5 +1,6 @@
 // The MoE layer on the host backend: whole-layer gradients against central finite differences in
-// fp64 for every option, R simulated ranks against one rank, interleaved microbatches, bad input.
+// fp64 for every option, R simulated ranks against one rank, pipeline chunks against one chunk,
+// interleaved microbatches, bad input.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/error_text.h"
 #include "core/random.h"
 #include "epx/comm.h"
 #include "epx/error.h"
@@ -21,6 +23,8 @@
 
 namespace epx {
 namespace {
+
+using testing::what_of;
 
 struct Variant {
   std::string name;
@@ -124,10 +128,11 @@ struct Rig {
       if (outs) (*outs)[r] = out;
       aux[r] = ctx.losses().item(0);
       z[r] = ctx.losses().item(1);
-      if (routing) {
-        const TensorRef& re = ctx.handle().routed_experts();
-        (*routing)[r].assign(re.ptr<int32_t>(), re.ptr<int32_t>() + re.numel());
-      }
+      if (routing)
+        for (int k = 0; k < ctx.num_chunks(); ++k) {
+          const TensorRef& re = ctx.handle(k).routed_experts();
+          (*routing)[r].insert((*routing)[r].end(), re.ptr<int32_t>(), re.ptr<int32_t>() + re.numel());
+        }
       if (backward) {
         (*d_x)[r] = Tensor::zeros({tokens, config.hidden}, config.dtype);
         layers[r]->backward(ctx, c[r], (*d_x)[r]);
@@ -481,6 +486,166 @@ TEST(MoELayerErrors, BadInputs) {
   MoELayer B(groups[0], biased);
   B.params().b_out = Tensor();  // a partial bias set must fail early and clearly
   EXPECT_NE(what([&] { B.forward(x4, o4); }).find("b_out"), std::string::npos);
+}
+
+// MoEConfig::pipeline_chunks and overlap_communication: chunked layers (uneven chunks, and more
+// chunks than tokens, so some are empty) give the one-chunk layer's outputs, losses, input
+// gradients and replicated-parameter gradients bit for bit; the expert weight gradients sum the
+// chunks', so they match within fp32 rounding. A second step on the same contexts matches too.
+TEST(MoELayer, PipelineChunksMatchOneChunk) {
+  struct Run {
+    std::vector<Tensor> out, dx;
+    std::vector<std::vector<double>> losses;
+    std::vector<std::vector<float>> replicated, expert;
+  };
+  auto run = [](const MoEConfig& c, int R, int64_t T, uint64_t seed) {
+    Rig rig(c, R, T, seed);
+    const std::vector<Tensor> x2 = rig.per_rank(seed + 1, 7), c2 = rig.per_rank(seed + 2, 9);
+    Run res;
+    res.out.resize(R);
+    res.dx.resize(R);
+    res.losses.resize(R);
+    res.replicated.resize(R);
+    res.expert.resize(R);
+    run_ranks(rig.groups, [&](Group& g) {
+      const int r = g.rank();
+      MoELayer& L = *rig.layers[r];
+      MoEContext ctx;
+      for (int step = 0; step < 2; ++step) {
+        res.out[r] = Tensor::zeros({T, c.hidden}, c.dtype);
+        res.dx[r] = Tensor::zeros({T, c.hidden}, c.dtype);
+        L.forward(step ? x2[r] : rig.x[r], res.out[r], ctx);
+        L.backward(ctx, step ? c2[r] : rig.c[r], res.dx[r]);
+      }
+      EXPECT_EQ(ctx.num_chunks(), c.pipeline_chunks);
+      res.losses[r] = {ctx.losses().item(0), ctx.losses().item(1)};
+      res.replicated[r] = flat_grads(L, {&MoEParams::gate, &MoEParams::shared_w_in, &MoEParams::shared_w_out});
+      res.expert[r] = flat_grads(L, {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::b_in, &MoEParams::b_out});
+    });
+    return res;
+  };
+  for (const Variant& v : variants()) {
+    if (v.name.rfind("capacity", 0) == 0) continue;  // chunks need dropless routing (an error, below)
+    for (int R : {1, 2, 4})
+      for (auto [chunks, T] : {std::pair<int, int64_t>{2, 7}, {3, 8}, {5, 3}}) {
+        SCOPED_TRACE(v.name + " R=" + std::to_string(R) + " chunks=" + std::to_string(chunks) +
+                     " T=" + std::to_string(T));
+        MoEConfig one = base_config(DType::kF32);
+        v.apply(one);
+        if (one.router.aux_loss == AuxLossType::kSequence) one.router.seq_len = 1;  // any T
+        MoEConfig many = one;
+        many.pipeline_chunks = chunks;
+        many.overlap_communication = true;
+        const Run a = run(one, R, T, 21), b = run(many, R, T, 21);
+        for (int r = 0; r < R; ++r) {
+          for (int64_t i = 0; i < a.out[r].numel(); ++i) {
+            ASSERT_EQ(a.out[r].item(i), b.out[r].item(i)) << "rank " << r << " out element " << i;
+            ASSERT_EQ(a.dx[r].item(i), b.dx[r].item(i)) << "rank " << r << " d_x element " << i;
+          }
+          EXPECT_EQ(a.losses[r], b.losses[r]) << "rank " << r;
+          EXPECT_EQ(a.replicated[r], b.replicated[r]) << "rank " << r;
+          ASSERT_EQ(a.expert[r].size(), b.expert[r].size());
+          int64_t nonzero = 0;
+          for (size_t i = 0; i < a.expert[r].size(); ++i) {
+            ASSERT_NEAR(a.expert[r][i], b.expert[r][i], 1e-5 * (1 + std::fabs(a.expert[r][i])))
+                << "rank " << r << " expert gradient element " << i;
+            nonzero += a.expert[r][i] != 0;
+          }
+          EXPECT_GT(nonzero, 0) << "rank " << r << ": the expert gradients must not all be zero";
+        }
+      }
+  }
+}
+
+// The chunked layer's gradients against central finite differences (fp64).
+TEST(MoELayerGrad, FiniteDifferencesFp64PipelineChunks) {
+  for (const Variant& v : variants()) {
+    if (v.name.rfind("capacity", 0) == 0) continue;
+    SCOPED_TRACE(v.name);
+    MoEConfig c = base_config(DType::kF64);
+    v.apply(c);
+    c.pipeline_chunks = 3;
+    c.overlap_communication = true;
+    check_gradients(c, 2, 8, 31);
+  }
+}
+
+// A bf16 layer with bf16 expert gradients: chunks after the first add to the gradient with one
+// more bf16 rounding each, so the gradients stay within a few bf16 roundings of one chunk's; the
+// outputs and input gradients stay bit for bit.
+TEST(MoELayer, PipelineChunksWithBf16ExpertGrads) {
+  MoEConfig one = base_config(DType::kBF16);
+  one.expert_grads_in_dtype = true;
+  MoEConfig many = one;
+  many.pipeline_chunks = 3;
+  const int R = 2;
+  const int64_t T = 8;
+  std::vector<std::vector<float>> grads[2];
+  std::vector<Tensor> out[2], dx[2];
+  int which = 0;
+  for (const MoEConfig* c : {&one, &many}) {
+    Rig rig(*c, R, T, 41);
+    grads[which].resize(R);
+    out[which].resize(R);
+    dx[which].resize(R);
+    run_ranks(rig.groups, [&](Group& g) {
+      const int r = g.rank();
+      MoELayer& L = *rig.layers[r];
+      out[which][r] = Tensor::zeros({T, c->hidden}, c->dtype);
+      dx[which][r] = Tensor::zeros({T, c->hidden}, c->dtype);
+      MoEContext ctx = L.forward(rig.x[r], out[which][r]);
+      L.backward(ctx, rig.c[r], dx[which][r]);
+      for (auto w : {&MoEParams::w_in, &MoEParams::w_out}) {
+        const Tensor& t = L.grads().*w;
+        ASSERT_EQ(t.dtype(), DType::kBF16);
+        for (int64_t i = 0; i < t.numel(); ++i) grads[which][r].push_back(static_cast<float>(t.item(i)));
+      }
+    });
+    ++which;
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < out[0][r].numel(); ++i) {
+      ASSERT_EQ(out[0][r].item(i), out[1][r].item(i)) << "rank " << r << " out element " << i;
+      ASSERT_EQ(dx[0][r].item(i), dx[1][r].item(i)) << "rank " << r << " d_x element " << i;
+    }
+    float top = 0;
+    for (float v : grads[0][r]) top = std::max(top, std::fabs(v));
+    ASSERT_GT(top, 0.0f);
+    int64_t differ = 0;
+    for (size_t i = 0; i < grads[0][r].size(); ++i) {
+      const float a = grads[0][r][i], b = grads[1][r][i];
+      ASSERT_LE(std::fabs(a - b), 0x1p-6f * (std::fabs(a) + 0.05f * top)) << "rank " << r << " expert gradient " << i;
+      differ += a != b;
+    }
+    EXPECT_GT(differ, 0) << "rank " << r << ": three chunks must round the bf16 gradients more than one does";
+  }
+}
+
+TEST(MoELayerErrors, PipelineChunksNeedDroplessRouting) {
+  MoEConfig c = base_config(DType::kF32);
+  auto groups = Group::create_simulated(1, group_for(c, 8));
+  for (int bad : {0, MoEConfig::kMaxPipelineChunks + 1}) {
+    MoEConfig w = c;
+    w.pipeline_chunks = bad;
+    EXPECT_NE(what_of([&] { MoELayer L(groups[0], w); })
+                  .find("config.pipeline_chunks is " + std::to_string(bad) + ", expected 1..16"),
+              std::string::npos);
+  }
+  MoEConfig cap = c;
+  cap.pipeline_chunks = 2;
+  cap.capacity.capacity_factor = 1.5f;
+  EXPECT_NE(what_of([&] { MoELayer L(groups[0], cap); })
+                .find("needs dropless routing (capacity.capacity_factor 0, not 1.5)"),
+            std::string::npos);
+  MoEContext ctx;
+  EXPECT_NE(what_of([&] { ctx.handle(); }).find("used before MoELayer::forward()"), std::string::npos);
+  cap.capacity.capacity_factor = 0;
+  MoELayer L(groups[0], cap);
+  L.init_params(1);
+  Tensor x = normal({4, c.hidden}, c.dtype, 1, 1), out = Tensor::zeros({4, c.hidden}, c.dtype);
+  L.forward(x, out, ctx);
+  EXPECT_NE(what_of([&] { ctx.handle(2); }).find("epx::MoEContext::handle: chunk is 2, expected 0..1"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -285,6 +285,29 @@ TEST(GroupedGemmGpu, AccumulatingWgradAddsToTheOldGradient) {
   Tensor ref = old.to(Device::cpu());
   grouped_gemm_wgrad(x, dy, L.offsets, L.rows, ref, true);
   EXPECT_LT(rel_err(pub, ref), 1e-2);
+
+  // bf16 gradients (MlpConfig::accumulate_in_weight_dtype): the epilogue forms old + gradient in
+  // fp32 and rounds once, on both schedules that read a source operand.
+  Tensor old16 = Tensor::empty({G, K, N}, DType::kBF16);
+  for (int64_t i = 0; i < old16.numel(); ++i) store_from_double(old16.data(), DType::kBF16, i, oh.item(i));
+  Tensor want16 = Tensor::empty({G, K, N}, DType::kBF16);
+  for (int64_t i = 0; i < want16.numel(); ++i)
+    store_from_double(want16.data(), DType::kBF16, i,
+                      static_cast<double>(static_cast<float>(old16.item(i)) + fh.ptr<float>()[i]));
+  for (const char* schedule : {"cooperative", "pingpong"}) {
+    Tensor acc = to_gpu(old16);
+    const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
+    void* out = acc.data();
+    if (std::string(schedule) == "cooperative")
+      cuda::grouped_wgrad_bf16_out(a, d, out, K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {}, 1.0f);
+    else
+      cuda::grouped_wgrad_bf16_out_pingpong(a, d, out, K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {},
+                                            1.0f);
+    const Tensor h16 = to_host(acc);
+    EXPECT_TRUE(testing::bit_equal(h16, want16)) << schedule << ": bf16 old + gradient, rounded once";
+    for (int64_t i = K * N; i < 2 * K * N; ++i)
+      ASSERT_EQ(h16.item(i), old16.item(i)) << schedule << ": an empty expert keeps its bf16 gradient";
+  }
 }
 
 // FP8 forward (DeepSeek-V3 block scales): the weight preparation is the reference's bit for bit;
@@ -443,10 +466,11 @@ TEST(GroupedGemmGpu, Bf16ContiguousGroupsMatchCooperative) {
     grouped_gemm_forward(to_host(x), to_host(w), L.offsets, L.rows, ref, {}, align);
     EXPECT_LT(rel_err(got, ref), 1e-2);
     for (int64_t i = L.total * N; i < R * N; ++i) ASSERT_EQ(got.item(i), 7.0) << "row past the layout written";
-    if (G > 1)
+    if (G > 1) {
       EXPECT_EQ(what_of([&] { run("contiguous", 16); }),
                 "epx::grouped_gemm_forward: EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to start "
                 "at a multiple of 128 rows; row_align is 16, expected a multiple of 128");
+    }
     // dgrad: dx [R, K] = dy [R, N] . w_g^T
     const Tensor dy = to_gpu(randn({R, N}, DType::kBF16, 53));
     auto dgrad = [&](const char* schedule) {

@@ -1,10 +1,14 @@
 // The MoE layer on one GPU as a training loop uses it: a context reused step after step is
-// captured in a CUDA graph (forward + backward) and replayed bit-identically to eager steps, and
-// bf16 expert weight gradients are exactly the fp32 ones rounded once.
+// captured in a CUDA graph (forward + backward; also pipelined and overlapped) and replayed
+// bit-identically to eager steps, the pipelined layer matches the plain one, and bf16 expert
+// weight gradients are exactly the fp32 ones rounded once.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/version.h"
@@ -63,11 +67,13 @@ void expect_bit_equal(const Outputs& a, const Outputs& b, const char* what) {
   EXPECT_TRUE(bit_equal(a.losses, b.losses)) << what << ": losses";
 }
 
-TEST(MoELayerGpu, GraphOfForwardBackwardReplaysBitIdentically) {
-  EPX_REQUIRE_GPU_LAYER();
-  const MoEConfig c = small_layer();
+// Captures a warmed-up forward + backward of layer c, replays it 10 times and on new tokens, and
+// compares with eager steps bit for bit.
+void check_graph_replay(const MoEConfig& c) {
   const int T = 256;
-  Group g = Group::create_local(group_for(c, T), 0);
+  GroupConfig gc = group_for(c, T);
+  if (c.overlap_communication) gc.num_sms = 16;  // the budget an overlapped layer runs with
+  Group g = Group::create_local(gc, 0);
   MoELayer L(g, c);
   L.init_params(11, 0.1);
   const Device dev = g.device();
@@ -121,6 +127,77 @@ TEST(MoELayerGpu, GraphOfForwardBackwardReplaysBitIdentically) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(cs);
+}
+
+TEST(MoELayerGpu, GraphOfForwardBackwardReplaysBitIdentically) {
+  EPX_REQUIRE_GPU_LAYER();
+  check_graph_replay(small_layer());
+}
+
+// The pipelined layer (chunks on the layer's own communication stream, forked from and joined
+// back to the caller's by events) is capturable the same way.
+TEST(MoELayerGpu, GraphOfPipelinedOverlappedStepReplaysBitIdentically) {
+  EPX_REQUIRE_GPU_LAYER();
+  MoEConfig c = small_layer();
+  c.pipeline_chunks = 3;
+  c.overlap_communication = true;
+  check_graph_replay(c);
+}
+
+// Chunked and overlapped against one chunk on the caller's stream: outputs, input and gate
+// gradients and losses bit for bit (the GEMMs compute every row alone), expert weight gradients
+// within fp32 rounding (they add the chunks' sums), or within a bf16 rounding per chunk for bf16
+// gradients. T = 250 makes the chunks uneven.
+TEST(MoELayerGpu, PipelineChunksMatchOneChunk) {
+  EPX_REQUIRE_GPU_LAYER();
+  const int T = 250;
+  for (auto [chunks, bf16_grads] : {std::pair<int, bool>{2, false}, {3, false}, {4, false}, {3, true}}) {
+    SCOPED_TRACE("chunks " + std::to_string(chunks) + (bf16_grads ? ", bf16 expert gradients" : ""));
+    MoEConfig one = small_layer();
+    one.expert_grads_in_dtype = bf16_grads;
+    MoEConfig many = one;
+    many.pipeline_chunks = chunks;
+    many.overlap_communication = true;
+    GroupConfig gc = group_for(one, T);
+    gc.num_sms = 16;
+    Group g = Group::create_local(gc, 0);
+    MoELayer l1(g, one), ln(g, many);
+    l1.init_params(3, 0.1);
+    ln.init_params(3, 0.1);
+    const Device dev = g.device();
+    Tensor x = Tensor::empty({T, one.hidden}, one.dtype, dev), d_out = Tensor::empty({T, one.hidden}, one.dtype, dev);
+    detail::fill_normal(x, 3, 1, 1.0);
+    detail::fill_normal(d_out, 3, 2, 0.1);
+    std::vector<Outputs> got;
+    for (MoELayer* L : {&l1, &ln}) {
+      Tensor out = Tensor::zeros({T, one.hidden}, one.dtype, dev), d_x = Tensor::zeros({T, one.hidden}, one.dtype, dev);
+      MoEContext ctx = L->forward(x, out);
+      L->backward(ctx, d_out, d_x);
+      EXPECT_EQ(ctx.num_chunks(), L->config().pipeline_chunks);
+      got.push_back(snapshot(*L, out, d_x, ctx));
+    }
+    g.check();
+    EXPECT_TRUE(bit_equal(got[0].out, got[1].out)) << "out";
+    EXPECT_TRUE(bit_equal(got[0].d_x, got[1].d_x)) << "d_x";
+    EXPECT_TRUE(bit_equal(got[0].gate, got[1].gate)) << "d_gate";
+    EXPECT_TRUE(bit_equal(got[0].losses, got[1].losses)) << "losses";
+    using Pair = std::tuple<const Tensor*, const Tensor*, const char*>;
+    for (auto [a, b, name] :
+         {Pair{&got[0].w_in, &got[1].w_in, "d_w_in"}, Pair{&got[0].w_out, &got[1].w_out, "d_w_out"}}) {
+      int64_t bad = 0, nonzero = 0;
+      double top = 0;
+      for (int64_t i = 0; i < a->numel(); ++i) top = std::max(top, std::abs(a->item(i)));
+      for (int64_t i = 0; i < a->numel(); ++i) {
+        const double want = a->item(i), have = b->item(i);
+        const double tol = bf16_grads ? 0x1p-6 * (std::abs(want) + 0.05 * top) : 1e-5 * std::abs(want) + 1e-9;
+        if (std::abs(have - want) > tol && bad++ < 3)
+          ADD_FAILURE() << name << "[" << i << "] = " << have << ", one chunk gives " << want;
+        nonzero += want != 0;
+      }
+      EXPECT_EQ(bad, 0) << name;
+      EXPECT_GT(nonzero, 0) << name << " must not be all zero";
+    }
+  }
 }
 
 // Gradient accumulation on the GPU: microbatch A's backward, then B's with accumulate_grads, leave

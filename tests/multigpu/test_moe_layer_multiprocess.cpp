@@ -2,6 +2,9 @@
 // check `epx demo` runs before training), and a few training steps whose loss must go down.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+
 #include "core/version.h"
 #include "epx/presets.h"
 #include "tools/launch.h"
@@ -56,6 +59,49 @@ TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {
   for (int i = 0; i < 4; ++i) last = run.train_step(0.5);
   g.check();
   EXPECT_LT(last, first) << "loss did not decrease over 5 SGD steps: " << first << " -> " << last;
+}
+
+// The pipelined layer across ranks (3 uneven chunks, collectives on the layer's own stream with an
+// SM budget) against the plain one on the same group: outputs and input gradients bit for bit,
+// expert weight gradients within fp32 rounding (they add the chunks' sums).
+TEST(MoELayerMultiProcess, PipelineChunksMatchOneChunk) {
+  EPX_REQUIRE_LAYER_LAUNCH();
+  MoEConfig one = moe_config(find_preset("small"), DType::kBF16);
+  one.hidden = 256;
+  one.ffn_hidden = 128;
+  one.shared_ffn_hidden = 128;
+  one.router.num_experts = 32;
+  ASSERT_FALSE(one.expert_grads_in_dtype) << "chunks need fp32 expert gradients";
+  MoEConfig many = one;
+  many.pipeline_chunks = 3;
+  many.overlap_communication = true;
+  const int64_t T = 500;
+  GroupConfig gc = tools::layer_group_config(one, T);
+  gc.num_sms = 24;
+  Group g = tools::make_gpu_group(gc);
+  tools::LayerRun a(g, one, T, 5), b(g, many, T, 5);
+  a.forward_backward();
+  b.forward_backward();
+  g.check();
+  auto same_bits = [](const Tensor& x, const Tensor& y) {
+    const Tensor hx = x.to(Device::cpu()), hy = y.to(Device::cpu());
+    return hx.nbytes() == hy.nbytes() && std::memcmp(hx.data(), hy.data(), hx.nbytes()) == 0;
+  };
+  EXPECT_TRUE(same_bits(a.out(), b.out())) << "out, rank " << g.rank();
+  EXPECT_TRUE(same_bits(a.d_x(), b.d_x())) << "d_x, rank " << g.rank();
+  EXPECT_EQ(b.context().num_chunks(), 3);
+  for (auto which : {&MoEParams::w_in, &MoEParams::w_out}) {
+    const Tensor ga = (a.layer().grads().*which).to(Device::cpu()), gb = (b.layer().grads().*which).to(Device::cpu());
+    ASSERT_EQ(ga.numel(), gb.numel());
+    int64_t bad = 0, nonzero = 0;
+    for (int64_t i = 0; i < ga.numel(); ++i) {
+      const double want = ga.item(i), have = gb.item(i);
+      bad += std::abs(have - want) > 1e-5 * std::abs(want) + 1e-9;  // fp32 gradients
+      nonzero += want != 0;
+    }
+    EXPECT_EQ(bad, 0) << "expert gradient, rank " << g.rank();
+    EXPECT_GT(nonzero, 0) << "rank " << g.rank();
+  }
 }
 
 }  // namespace

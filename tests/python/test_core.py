@@ -55,6 +55,29 @@ def test_layer_forward_backward_on_the_cpu_reference():
         layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
 
 
+def test_pipeline_chunks_reach_the_layer_and_keep_its_output():
+    """MoEConfig.pipeline_chunks / overlap_communication from Python: three chunks give the
+    one-chunk output bit for bit; a bad chunk count is a ValueError with epx's message."""
+    outs = []
+    for chunks in (1, 3):
+        p, cfg, group, _ = tiny_layer()
+        cfg.pipeline_chunks, cfg.overlap_communication = chunks, chunks > 1
+        layer = _C.MoELayer(group, cfg)
+        layer.init_params(5, 0.5)
+        T, H = 8, p.hidden
+        x, out = host(T * H), host(T * H)
+        for i in range(T * H):
+            x[i] = math.sin(0.29 * i)
+        layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), _C.MoEContext())
+        outs.append([out[i] for i in range(T * H)])
+    assert outs[0] == outs[1]
+    assert any(v != 0 for v in outs[0])
+    p, cfg, group, _ = tiny_layer()
+    cfg.pipeline_chunks = 0
+    with pytest.raises(ValueError, match=r"config.pipeline_chunks is 0, expected 1..16"):
+        _C.MoELayer(group, cfg)
+
+
 def test_accumulated_gradients_add_to_the_previous_ones():
     """backward(..., accumulate_grads=True) adds this microbatch's gradients to grads(): after A
     (overwrite) then B (accumulate), each gradient is exactly the fp32 sum of the two alone."""

@@ -62,7 +62,9 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
     "fp8_block", "mxfp8"), fp8_weight_cache (with fp8_block on a GPU: keep the FP8 expert weights
     between forwards; call MoE.refresh_fp8_weights() after every optimizer step), expert_grads_in_dtype,
     backward_keeps_saved (allow a second backward of one forward, e.g. retain_graph=True, at the
-    cost of scratch buffers)."""
+    cost of scratch buffers), pipeline_chunks (token chunks pipelined through dispatch, expert FFNs
+    and combine),
+    overlap_communication (the layer's collectives on a stream of their own, beside the FFNs)."""
     c = _C.moe_config(_C.find_preset(preset or "deepseek-v3"), getattr(_C.DType, epx_dtype(dtype)))
     c.expert_grads_in_dtype = True  # gradients in the parameters' dtype, as torch keeps them
     r = c.router
@@ -82,7 +84,8 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
         elif key == "precision":
             c.precision = getattr(_C.MlpPrecision, value)
         elif key in ("hidden", "ffn_hidden", "shared_ffn_hidden", "apply_weights_early", "expert_bias_terms",
-                     "expert_grads_in_dtype", "backward_keeps_saved", "fp8_weight_cache"):
+                     "expert_grads_in_dtype", "backward_keeps_saved", "fp8_weight_cache", "pipeline_chunks",
+                     "overlap_communication"):
             setattr(c, key, value)
         else:
             raise ValueError(f"epx.MoE: unknown option '{key}'")
