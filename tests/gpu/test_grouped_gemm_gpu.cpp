@@ -542,6 +542,89 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
     }
 }
 
+// Expert biases (b_in joins FC1's sums in the activation kernel, b_out FC2's output; their
+// gradients are column sums over each expert's rows) in bf16 and with FP8 block scales, against
+// the reference. d_b_out sums the very d_y the reference sums, in its order: bit for bit. A second
+// backward with accumulate doubles it exactly; an expert without rows keeps zero.
+TEST(ExpertMlpGpu, ExpertBiasesMatchReference) {
+  EPX_REQUIRE_GROUPED();
+  struct Case {
+    MlpPrecision precision;
+    Activation act;
+    bool early;
+    int64_t H, F;
+  };
+  for (const Case& k : {Case{MlpPrecision::kHigh, Activation::kSwiGLU, false, 64, 48},
+                        Case{MlpPrecision::kHigh, Activation::kGelu, true, 64, 48},
+                        Case{MlpPrecision::kFp8Block, Activation::kSwiGLU, false, 256, 128}}) {
+    SCOPED_TRACE(std::string(mlp_precision_name(k.precision)) + " " + activation_name(k.act) +
+                 (k.early ? " early" : ""));
+    const int64_t H = k.H, F = k.F, P = is_gated(k.act) ? 2 : 1;
+    const Layout L = make_layout({20, 0, 33, 1, 7}, 16);
+    const int G = static_cast<int>(L.rows.size(0));
+    const int64_t R = L.total;
+    MlpConfig cfg{k.act, k.early, k.precision};
+    Tensor x = randn({R, H}, DType::kBF16, 60), w_in = randn({G, H, P, F}, DType::kBF16, 61, 0.1);
+    Tensor w_out = randn({G, F, H}, DType::kBF16, 62, 0.1), rw = randn({R}, DType::kF32, 63, 0.5);
+    Tensor b_in = randn({G, P, F}, DType::kBF16, 64, 0.5), b_out = randn({G, H}, DType::kBF16, 65, 0.5);
+    Tensor d_y = randn({R, H}, DType::kBF16, 66);
+    struct Out {
+      Tensor y, d_x, d_w_in, d_w_out, d_b_in, d_b_out, d_b_out_twice;
+    };
+    auto run = [&](bool gpu) {
+      auto put = [&](const Tensor& t) { return gpu ? to_gpu(t) : t.clone(); };
+      auto zeros = [&](Shape sh, DType dt) { return put(Tensor::zeros(sh, dt)); };
+      Tensor xs = put(x), wi = put(w_in), wo = put(w_out), bi = put(b_in), bo = put(b_out), off = put(L.offsets);
+      Tensor rows = put(L.rows), r = put(rw), a = zeros({R, P, F}, DType::kBF16), h = zeros({R, F}, DType::kBF16);
+      Out o;
+      o.y = zeros({R, H}, DType::kBF16);
+      MlpTensors t{xs, off, rows, k.early ? r.ref() : TensorRef(), wi, bi, wo, bo, a, h, o.y};
+      expert_mlp_forward(cfg, t);
+      o.d_x = zeros({R, H}, DType::kBF16);
+      o.d_w_in = zeros({G, H, P, F}, DType::kF32);
+      o.d_w_out = zeros({G, F, H}, DType::kF32);
+      o.d_b_in = zeros({G, P, F}, DType::kF32);
+      o.d_b_out = zeros({G, H}, DType::kF32);
+      Tensor d_rw = zeros({R}, DType::kF32);
+      const Tensor dys = put(d_y);
+      MlpGrads g{dys, o.d_x, k.early ? d_rw.ref() : TensorRef(), o.d_w_in, o.d_b_in, o.d_w_out, o.d_b_out};
+      MlpConfig keep = cfg;
+      keep.backward_consumes_saved = false;  // a second backward below
+      expert_mlp_backward(keep, t, g);
+      // again, adding to copies of the first gradients
+      o.d_b_out_twice = put(o.d_b_out);
+      Tensor d_x2 = zeros({R, H}, DType::kBF16), d_rw2 = zeros({R}, DType::kF32);
+      const Tensor d_w_in2 = put(o.d_w_in), d_b_in2 = put(o.d_b_in), d_w_out2 = put(o.d_w_out);
+      MlpGrads g2{dys, d_x2, k.early ? d_rw2.ref() : TensorRef(), d_w_in2, d_b_in2, d_w_out2, o.d_b_out_twice};
+      MlpConfig acc = keep;
+      acc.accumulate_weight_grads = true;
+      expert_mlp_backward(acc, t, g2);
+      return o;
+    };
+    const Out want = run(false), got = run(true);
+    EXPECT_LT(rel_err(got.y, want.y), 3e-2) << "y";
+    EXPECT_LT(rel_err(got.d_x, want.d_x), 4e-2) << "d_x";
+    EXPECT_LT(rel_err(got.d_w_in, want.d_w_in), 4e-2) << "d_w_in";
+    EXPECT_LT(rel_err(got.d_w_out, want.d_w_out), 3e-2) << "d_w_out";
+    EXPECT_LT(rel_err(got.d_b_in, want.d_b_in), 4e-2) << "d_b_in";
+    const Tensor dbo = to_host(got.d_b_out), twice = to_host(got.d_b_out_twice);
+    EXPECT_TRUE(testing::bit_equal(dbo, want.d_b_out)) << "d_b_out: the reference's sums in its order";
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < dbo.numel(); ++i) {
+      ASSERT_EQ(twice.ptr<float>()[i], 2.0f * dbo.ptr<float>()[i]) << "accumulated d_b_out element " << i;
+      nonzero += dbo.ptr<float>()[i] != 0.0f;
+    }
+    for (int64_t i = H; i < 2 * H; ++i) ASSERT_EQ(dbo.ptr<float>()[i], 0.0f) << "the expert without rows";
+    EXPECT_GT(nonzero, 0);
+    // the biases really took part: without them y differs
+    Tensor yb = to_gpu(Tensor::zeros({R, H}, DType::kBF16)), ab = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16));
+    Tensor hb = to_gpu(Tensor::zeros({R, F}, DType::kBF16)), xg = to_gpu(x), wig = to_gpu(w_in), wog = to_gpu(w_out);
+    Tensor offg = to_gpu(L.offsets), rowsg = to_gpu(L.rows), rwg = to_gpu(rw);
+    expert_mlp_forward(cfg, MlpTensors{xg, offg, rowsg, k.early ? rwg.ref() : TensorRef(), wig, {}, wog, {}, ab, hb, yb});
+    EXPECT_GT(rel_err(got.y, yb), 1e-2) << "b_in and b_out changed nothing";
+  }
+}
+
 // The FP8 forwards of the expert FFN (the DeepSeek-V3 block recipe on FP8 tensor cores; MXFP8 as
 // bf16 GEMMs on the exact images of its quantized operands) with x bf16, quantized inside, and x
 // arriving as fp8 with its scales, as an FP8 dispatch delivers it; and the backward after each,
@@ -702,8 +785,9 @@ GroupConfig group_for_64_tokens(const MoEConfig& c) {
   return gc;
 }
 
-void check_one_gpu_layer(MlpPrecision precision, int64_t hidden, int64_t ffn, double tol) {
-  const MoEConfig c = small_layer(hidden, ffn, ffn, precision);
+void check_one_gpu_layer(MlpPrecision precision, int64_t hidden, int64_t ffn, double tol, bool biases = false) {
+  MoEConfig c = small_layer(hidden, ffn, ffn, precision);
+  c.expert_bias_terms = biases;
   const GroupConfig gc = group_for_64_tokens(c);
   auto host = Group::create_simulated(1, gc);
   Group gpu = Group::create_local(gc, 0);
@@ -737,6 +821,10 @@ void check_one_gpu_layer(MlpPrecision precision, int64_t hidden, int64_t ffn, do
   EXPECT_NEAR(lsg.item(1), lsh.item(1), 1e-2 * std::fabs(lsh.item(1)) + 1e-6);
   EXPECT_LT(rel_err(lg.grads().w_in, lh.grads().w_in), 8e-2 * tol);
   EXPECT_LT(rel_err(lg.grads().gate, lh.grads().gate), 8e-2 * tol);
+  if (biases) {
+    EXPECT_LT(rel_err(lg.grads().b_in, lh.grads().b_in), 8e-2 * tol);
+    EXPECT_LT(rel_err(lg.grads().b_out, lh.grads().b_out), 8e-2 * tol);
+  }
 }
 
 TEST(MoELayerGpu, OneGpuMatchesReference) {
@@ -749,6 +837,11 @@ TEST(MoELayerGpu, OneGpuMatchesReference) {
 TEST(MoELayerGpu, OneGpuFp8ForwardMatchesReference) {
   EPX_REQUIRE_GROUPED();
   check_one_gpu_layer(MlpPrecision::kFp8Block, 128, 128, 1.5);
+}
+
+TEST(MoELayerGpu, OneGpuWithExpertBiasesMatchesReference) {
+  EPX_REQUIRE_GROUPED();
+  check_one_gpu_layer(MlpPrecision::kHigh, 64, 32, 1.0, /*biases=*/true);
 }
 
 TEST(MoELayerGpu, OneGpuMxfp8ForwardMatchesReference) {

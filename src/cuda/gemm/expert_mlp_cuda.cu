@@ -3,14 +3,16 @@
 //
 // w_in is [G, H, P, F]: each expert's FC1 is one [H, P*F] matrix, so FC1, its dgrad and its
 // wgrad are one grouped GEMM each whatever P is.
-// Forward:  a = x . w_in (bf16 [rows, P*F]) -> h = act(a) [* w_row] (bf16; padding rows of a, h
-//           and y zeroed) -> y = h . w_out.
+// Forward:  a = x . w_in [+ b_in] (bf16 [rows, P*F]) -> h = act(a) [* w_row] (bf16; padding rows
+//           of a, h and y zeroed) -> y = h . w_out [+ b_out].
 // Backward: d_h = d_y . w_out^T (bf16) -> d_a (bf16) and d_row_weights from the saved a ->
 //           d_x = d_a . w_in^T (one GEMM over K = P*F, fp32 accumulation, rounded once) -> weight
-//           gradients by grouped wgrad (fp32 or bf16 as d_w is, empty experts zero).
+//           gradients by grouped wgrad (fp32 or bf16 as d_w is, empty experts zero); bias
+//           gradients as column sums of d_a and d_y over each expert's rows (expert_bias.h).
 // Differences from the reference, within bf16 rounding: the activation reads the rounded a (the
-// GEMM writes bf16), d_h and d_a are rounded where the reference keeps fp32, and sums run in the
-// tensor cores' order. Biases and the FP8 precisions are not on this path yet (kNotSupported).
+// GEMM writes bf16; with b_in, the rounded a plus the bias), d_h and d_a are rounded where the
+// reference keeps fp32, y is rounded before b_out joins it, and GEMM sums run in the tensor
+// cores' order.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -24,6 +26,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/common/stream_temp.h"
+#include "cuda/gemm/expert_bias.h"
 #include "cuda/gemm/expert_mlp_cuda.h"
 #include "cuda/gemm/fp8_operands.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
@@ -44,6 +47,10 @@ __device__ __forceinline__ int group_of(const int32_t* offsets, int G, int64_t r
     else hi = mid - 1;
   }
   return lo;
+}
+
+const __nv_bfloat16* bias_of(const TensorRef& b) {
+  return b.defined() ? static_cast<const __nv_bfloat16*>(b.data()) : nullptr;
 }
 
 __device__ __forceinline__ float silu(float z) { return z / (1.0f + expf(-z)); }
@@ -100,10 +107,12 @@ __device__ __forceinline__ void act_grad(int f, float a0, float a1, float& v, fl
   }
 }
 
-// One block per row (grid-stride): activation, or zeros on padding rows.
+// One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
+// bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
+// unrounded sum.
 __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
-                                   const int32_t* rows, int G, const float* row_weights, __nv_bfloat16* a,
-                                   __nv_bfloat16* h, __nv_bfloat16* y) {
+                                   const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
+                                   __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
   for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
     const int g = group_of(offsets, G, r);
     if (g < 0) return;  // rows past offsets[G] are not ours (uniform per block)
@@ -117,9 +126,18 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
       continue;
     }
     const float w = row_weights ? row_weights[r] : 1.0f;
+    const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
     for (int64_t i = threadIdx.x; i < F; i += blockDim.x) {
-      const float a0 = __bfloat162float(ar[i]);
-      const float a1 = P == 2 ? __bfloat162float(ar[F + i]) : 0.0f;
+      float a0 = __bfloat162float(ar[i]);
+      float a1 = P == 2 ? __bfloat162float(ar[F + i]) : 0.0f;
+      if (br) {
+        a0 += __bfloat162float(br[i]);
+        ar[i] = __float2bfloat16_rn(a0);
+        if (P == 2) {
+          a1 += __bfloat162float(br[F + i]);
+          ar[F + i] = __float2bfloat16_rn(a1);
+        }
+      }
       float v = act_value(f, a0, a1);
       if (row_weights) v *= w;
       hr[i] = __float2bfloat16_rn(v);
@@ -341,13 +359,15 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   const int32_t* rows = t.rows.ptr<int32_t>();
   act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, static_cast<int>(G),
-      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
-      static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
+      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, bias_of(t.b_in),
+      static_cast<__nv_bfloat16*>(t.a.data()), static_cast<__nv_bfloat16*>(t.h.data()),
+      static_cast<__nv_bfloat16*>(t.y.data()));
   EPX_CHECK_LAUNCH("act_forward_kernel");
   detail::phase_mark(stream, "act");
   const TensorRef h_q = in_scratch(9, DType::kF8E4M3, {R, F}), h_s = in_scratch(10, DType::kF32, {R, F / 128});
   quantize(QuantRecipe::kFp8Block1x128, ref_of(t.h.data(), DType::kBF16, {R, F}), h_q, h_s, QuantOptions{}, stream);
   grouped_forward_fp8_cuda(h_q, h_s, wo_q, wo_s, t.offsets, t.rows, t.y, stream, t.row_align);
+  if (t.b_out.defined()) add_group_bias(H, R, off, rows, static_cast<int>(G), t.b_out.data(), t.y.data(), to_cuda(stream));
   detail::phase_mark(stream, "fc2");
 }
 
@@ -364,12 +384,14 @@ static void bf16_forward(const MlpConfig& c, const MlpTensors& t, const void* x,
   detail::phase_mark(stream, "fc1");
   act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
       static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
-      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<__nv_bfloat16*>(t.a.data()),
-      static_cast<__nv_bfloat16*>(t.h.data()), static_cast<__nv_bfloat16*>(t.y.data()));
+      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, bias_of(t.b_in),
+      static_cast<__nv_bfloat16*>(t.a.data()), static_cast<__nv_bfloat16*>(t.h.data()),
+      static_cast<__nv_bfloat16*>(t.y.data()));
   EPX_CHECK_LAUNCH("act_forward_kernel");
   detail::phase_mark(stream, "act");
   grouped_forward_bf16({fc2_input(), F, 0}, {w_out, H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream,
                        t.row_align);
+  if (t.b_out.defined()) add_group_bias(H, R, off, rows, G, t.b_out.data(), t.y.data(), to_cuda(stream));
   detail::phase_mark(stream, "fc2");
 }
 
@@ -407,7 +429,6 @@ static void mxfp8_forward(const MlpConfig& c, const MlpTensors& t, Stream stream
 void expert_mlp_forward_cuda(const MlpConfig& c, const MlpTensors& t, Stream stream) {
   const char* fn = "epx::expert_mlp_forward";
   const int64_t H = t.x.size(1), F = t.w_in.size(3);
-  require_status(!t.b_in.defined(), Status::kNotSupported, fn, "expert biases run on the CPU reference only for now");
   if (c.precision == MlpPrecision::kFp8Block) {
     require_grouped_gemm(fn);
     require_status(t.a.dtype() == DType::kBF16, Status::kNotSupported, fn, "a has dtype ", dtype_name(t.a.dtype()),
@@ -443,7 +464,6 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   require_bf16_path(fn, x, H, F);
   // The backward never reads quantized operands (saved a and h, the bf16 weights and x), so an
   // FP8 forward's backward is this bf16 path.
-  require_status(!t.b_in.defined(), Status::kNotSupported, fn, "expert biases run on the CPU reference only for now");
   auto grad_dtype_ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
   require_status(grad_dtype_ok(d.d_w_in.dtype()) && grad_dtype_ok(d.d_w_out.dtype()), Status::kNotSupported, fn,
                  "d_w_in is ", dtype_name(d.d_w_in.dtype()), " and d_w_out is ", dtype_name(d.d_w_out.dtype()),
@@ -458,6 +478,8 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
     zero_empty_groups(d.d_w_out, F * H, rows, G, s);
     zero_empty_groups(d.d_w_in, H * PF, rows, G, s);
   }
+  if (t.b_out.defined())
+    group_column_sums(d.d_y.data(), H, H, off, rows, G, c.accumulate_weight_grads, d.d_b_out, s);
   // wgrad of FC2 first: it is h's last reader, so d_h may then take h's place.
   wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, R, beta, stream);
   detail::phase_mark(stream, "wgrad_fc2");
@@ -479,6 +501,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
       c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<const __nv_bfloat16*>(t.a.data()), d_h,
       d_a, c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr);
   EPX_CHECK_LAUNCH("act_backward_kernel");
+  if (t.b_in.defined()) group_column_sums(d_a, PF, PF, off, rows, G, c.accumulate_weight_grads, d.d_b_in, s);
   detail::phase_mark(stream, "act");
   // d_x [rows, H] = d_a [rows, P*F] . w_in_g^T, w_in_g [H, P*F] row-major.
   grouped_dgrad_bf16({d_a, PF, 0}, {t.w_in.data(), PF, H * PF}, d.d_x.data(), H, PF, H, off, rows, G, R, stream,
