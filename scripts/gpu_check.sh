@@ -320,11 +320,7 @@ if has pipeline; then
     timeout 300 "$BUILD/bin/epx" bench layer --preset "${PIPELINE_PRESETS:-deepseek-v3}" --chunks "$chunks" \
       --overlap "$overlap" --sms "$sms" ${PIPELINE_ARGS:-} >>"$OUT/pipeline.jsonl" 2>>"$OUT/pipeline.err" ||
       summary "epx bench layer --chunks $chunks --overlap $overlap --sms $sms failed rc=$?"
-  done <<<"$(echo "${PIPELINES:-1 0 0
-1 1 32
-2 1 32
-2 1 0
-4 1 32}" | tr ',' '\n')"
+  done <<<"$(echo "${PIPELINES:-1 0 0,1 1 0,1 1 32,2 1 0,2 1 32,4 1 32}" | tr ',' '\n')"
   cat "$OUT/pipeline.jsonl"
 fi
 if has profile; then
