@@ -275,12 +275,12 @@ def test_moe_mxfp8_forward_on_the_cpu_reference():
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
-def gpu_moe(microbatches=1, tokens=256):
+def gpu_moe(microbatches=1, tokens=256, **kw):
     if not gpu_layers_built():
         pytest.skip("built without the CUTLASS grouped GEMMs")
     g = ept.Group.local("cuda", num_experts=16, hidden=128, max_tokens_per_rank=tokens, max_topk=8, align=16)
     return ept.MoE(g, "small", hidden=128, ffn_hidden=64, shared_ffn_hidden=64, num_experts=16, seed=11, init_std=0.1,
-                   microbatches=microbatches)
+                   microbatches=microbatches, **kw)
 
 
 def step(m, x, d_out, microbatch=0):
@@ -313,8 +313,9 @@ def test_gpu_moe_matches_cpu_reference():
 
 
 @needs_gpu
-def test_gpu_cuda_graph_replays_a_training_step_bit_identically():
-    m = gpu_moe()
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_gpu_cuda_graph_replays_a_training_step_bit_identically(pipelined):
+    m = gpu_moe(pipeline_chunks=3, overlap_communication=True) if pipelined else gpu_moe()
     torch.manual_seed(7)
     x = torch.randn(256, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     d = torch.randn(256, 128, dtype=torch.bfloat16, device="cuda") * 0.1
@@ -343,6 +344,44 @@ def test_gpu_cuda_graph_replays_a_training_step_bit_identically():
     for n, gr in grads(m).items():
         assert torch.equal(gr, eager_g[n]), n
     m.group.check()
+
+
+@needs_gpu
+def test_gpu_pipelined_module_matches_the_plain_one():
+    """pipeline_chunks + overlap_communication: the same output and input gradient bit for bit; the
+    bf16 expert gradients add up the chunks' (one more rounding a chunk), the others are equal."""
+    torch.manual_seed(9)
+    x = torch.randn(250, 128, dtype=torch.bfloat16, device="cuda")
+    d = torch.randn(250, 128, dtype=torch.bfloat16, device="cuda") * 0.1
+    res = []
+    for m in (gpu_moe(), gpu_moe(pipeline_chunks=3, overlap_communication=True)):
+        xi = x.clone().requires_grad_()
+        out = step(m, xi, d)
+        res.append((out.detach(), xi.grad, grads(m)))
+        m.group.check()
+    assert torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][1], res[1][1])
+    for n, g in res[0][2].items():
+        if n in ("w_in", "w_out"):
+            assert rel_err(res[1][2][n], g) < 2e-2, n
+        else:
+            assert torch.equal(res[1][2][n], g), n
+
+
+def test_moe_pipeline_chunks_match_one_chunk_on_cpu():
+    torch.manual_seed(10)
+    x = torch.randn(12, 8, dtype=torch.float64)
+    d = torch.randn(12, 8, dtype=torch.float64)
+    res = []
+    for kw in ({}, {"pipeline_chunks": 3, "overlap_communication": True}):
+        m = tiny_moe(**kw)
+        xi = x.clone().requires_grad_()
+        out = step(m, xi, d)
+        res.append((out.detach(), xi.grad, grads(m)))
+    assert torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][1], res[1][1])
+    for n, g in res[0][2].items():
+        torch.testing.assert_close(res[1][2][n], g, rtol=1e-12, atol=1e-14, msg=n)
 
 
 @needs_gpu
