@@ -557,6 +557,51 @@ TEST(MoELayer, PipelineChunksMatchOneChunk) {
   }
 }
 
+// Ranks with different token counts (one with none) run the same number of chunks, each with its
+// own boundaries: the chunked layer still gives the one-chunk outputs and input gradients.
+TEST(MoELayer, PipelineChunksWithUnequalTokensPerRank) {
+  MoEConfig one = base_config(DType::kF32);
+  MoEConfig many = one;
+  many.pipeline_chunks = 3;
+  many.overlap_communication = true;
+  const int R = 4;
+  const std::vector<int64_t> tokens = {0, 7, 2, 5};
+  std::vector<Tensor> x, c;
+  for (int r = 0; r < R; ++r) {
+    x.push_back(normal({tokens[r], one.hidden}, one.dtype, 51, r));
+    c.push_back(normal({tokens[r], one.hidden}, one.dtype, 52, r));
+  }
+  std::vector<Tensor> out[2], dx[2];
+  std::vector<std::vector<float>> grads[2];
+  for (int v = 0; v < 2; ++v) {
+    const MoEConfig& cfg = v ? many : one;
+    auto groups = Group::create_simulated(R, group_for(cfg, 8));
+    out[v].resize(R);
+    dx[v].resize(R);
+    grads[v].resize(R);
+    run_ranks(groups, [&](Group& g) {
+      const int r = g.rank();
+      MoELayer L(g, cfg);
+      L.init_params(53, 0.5);
+      out[v][r] = Tensor::zeros({tokens[r], cfg.hidden}, cfg.dtype);
+      dx[v][r] = Tensor::zeros({tokens[r], cfg.hidden}, cfg.dtype);
+      MoEContext ctx = L.forward(x[r], out[v][r]);
+      EXPECT_EQ(ctx.num_chunks(), cfg.pipeline_chunks);
+      L.backward(ctx, c[r], dx[v][r]);
+      grads[v][r] = flat_grads(L, {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate});
+    });
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < out[0][r].numel(); ++i) {
+      ASSERT_EQ(out[0][r].item(i), out[1][r].item(i)) << "rank " << r << " out element " << i;
+      ASSERT_EQ(dx[0][r].item(i), dx[1][r].item(i)) << "rank " << r << " d_x element " << i;
+    }
+    ASSERT_EQ(grads[0][r].size(), grads[1][r].size());
+    for (size_t i = 0; i < grads[0][r].size(); ++i)
+      ASSERT_NEAR(grads[0][r][i], grads[1][r][i], 1e-5 * (1 + std::fabs(grads[0][r][i]))) << "rank " << r;
+  }
+}
+
 // The chunked layer's gradients against central finite differences (fp64).
 TEST(MoELayerGrad, FiniteDifferencesFp64PipelineChunks) {
   for (const Variant& v : variants()) {
