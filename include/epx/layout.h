@@ -27,6 +27,10 @@ enum class DropPolicy : uint8_t { kByPosition, kByProbability };
 struct PrepareOptions {
   float capacity_factor = 0.0f;  // 0 = dropless
   DropPolicy drop_policy = DropPolicy::kByPosition;
+  /// Rows of this handle's expert-major buffers (recv_x, y, ...): 0 = the group's recv capacity;
+  /// otherwise at most it, e.g. the worst case of a chunk of the tokens. A dispatch that would need
+  /// more rows writes nothing and is reported (kCapacityExceeded) as a group overflow is.
+  int64_t recv_capacity_rows = 0;
 };
 
 struct HandleState;
@@ -45,6 +49,9 @@ class Handle {
   int topk() const;
   /// Per-expert capacity in pairs (0 when dropless).
   int capacity() const;
+  /// Rows of the expert-major buffers this handle's ops take (PrepareOptions::recv_capacity_rows,
+  /// or the group's).
+  int64_t recv_capacity_rows() const;
   bool dispatched() const;
 
   // Device-resident views (the group's device), valid while the handle lives.

@@ -59,9 +59,10 @@ struct MoEConfig {
   bool fp8_weight_cache = false;
   /// Splits each rank's tokens into this many chunks (1..16) of ceil(T / n) rows (the last ones
   /// shorter or empty; every rank runs all n), each with its own routing handle and expert-major
-  /// buffers (each the group's recv capacity: their memory grows with n), taken through dispatch,
-  /// the expert FFNs and combine one after another, so that with overlap_communication a chunk's
-  /// FFN runs while another chunk's tokens travel. Results equal the one-chunk layer's bit for bit,
+  /// buffers sized for one chunk's worst case (PrepareOptions::recv_capacity_rows; together about
+  /// the unchunked layer's, plus a padding block per local expert and chunk), taken through
+  /// dispatch, the expert FFNs and combine one after another, so that with overlap_communication a
+  /// chunk's FFN runs while another chunk's tokens travel. Results equal the one-chunk layer's bit for bit,
   /// except the routed experts' weight gradients, which add up the chunks' (each sum in fp32, then
   /// one rounding to the gradient's dtype per chunk: with expert_grads_in_dtype on a bf16 layer,
   /// one bf16 rounding per chunk). Needs dropless routing (capacity is decided over the whole batch).

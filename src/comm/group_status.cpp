@@ -5,7 +5,8 @@
 
 namespace epx::comm {
 
-void raise_layout_status(const int32_t* s, int rank, int num_experts, int64_t recv_capacity_rows) {
+void raise_layout_status(const int32_t* s, int rank, int num_experts, int64_t recv_capacity_rows,
+                         bool smaller_handles) {
   if (s[3] == 3)
     throw Error(Status::kInvalidArgument, detail::concat("epx::prepare: rank ", s[1], " prepared with top-k ", s[2],
                                                          ", this rank with ", s[4],
@@ -22,12 +23,15 @@ void raise_layout_status(const int32_t* s, int rank, int num_experts, int64_t re
                                ", expected -1 (masked) or an expert id in [0, ", num_experts,
                                ") (the slot was treated as masked)"));
   }
+  if (s[0] > 0 && smaller_handles)
+    throw Error(Status::kCapacityExceeded,
+                detail::concat("epx::dispatch_forward: rank ", rank, " would receive ", s[0], " expert-major rows ",
+                               "more than the recv capacity of a handle (PrepareOptions::recv_capacity_rows, at most ",
+                               "the group's ", recv_capacity_rows, "); nothing was written"));
   if (s[0] > 0)
     throw Error(Status::kCapacityExceeded,
-                detail::concat("epx::dispatch_forward: rank ", rank, " would receive ", recv_capacity_rows + s[0],
-                               " expert-major rows, more than the group's recv capacity of ", recv_capacity_rows,
-                               " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
-                               "nothing was written"));
+                "epx::dispatch_forward: " +
+                    recv_overflow_message(rank, recv_capacity_rows + s[0], recv_capacity_rows, recv_capacity_rows));
 }
 
 }  // namespace epx::comm

@@ -9,6 +9,9 @@ namespace epx::comm {
 
 /// s = {overflow rows, bad pair (kNoBadPair = none), its id, kind (1 out of range, 2 repeated,
 /// 3 another top-k on rank s[1] with K s[2]), K}. Throws the first error found, else returns.
-void raise_layout_status(const int32_t* s, int rank, int num_experts, int64_t recv_capacity_rows);
+/// smaller_handles: a handle with fewer rows than the group's was prepared since the last check,
+/// so the overflow may be against that handle's capacity (the device keeps only the excess).
+void raise_layout_status(const int32_t* s, int rank, int num_experts, int64_t recv_capacity_rows,
+                         bool smaller_handles);
 
 }  // namespace epx::comm

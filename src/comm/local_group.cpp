@@ -44,7 +44,7 @@ class LocalGroup final : public GroupState {
     DeviceGuard g(device.index);
     h.storage = pool_->acquire();
     cuda::bind_handle(h, h.storage.get(), config, 1, 0, device);
-    cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/true, config.align, recv_capacity_rows,
+    cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/true, config.align, h.recv_capacity,
                             status_.ptr<int32_t>(), stream);
   }
 
@@ -52,7 +52,7 @@ class LocalGroup final : public GroupState {
                         const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
                         Stream stream) override {
     DeviceGuard g(device.index);
-    cuda::permute_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, recv_capacity_rows,
+    cuda::permute_forward(h, x, x_scales, topk_weights, recv_x, recv_scales, recv_weights, h.recv_capacity,
                           config.align, stream);
   }
 
@@ -63,7 +63,7 @@ class LocalGroup final : public GroupState {
                                  const TensorRef& recv_weights, Stream stream) override {
     DeviceGuard g(device.index);
     cuda::permute_quantize_forward(h, recipe, mx_rounding, x, topk_weights, recv_x, recv_scales, recv_weights,
-                                   recv_capacity_rows, config.align, stream);
+                                   h.recv_capacity, config.align, stream);
   }
 
   void combine_forward(HandleState& h, const TensorRef& y, const TensorRef& row_weights, const TensorRef& out,
@@ -93,7 +93,9 @@ class LocalGroup final : public GroupState {
     int32_t s[5];
     EPX_CUDA_CHECK(cudaMemcpy(s, status_.data(), sizeof s, cudaMemcpyDeviceToHost));
     reset_status();
-    raise_layout_status(s, 0, config.num_experts, recv_capacity_rows);
+    const bool smaller = smaller_handle_capacity;
+    smaller_handle_capacity = false;
+    raise_layout_status(s, 0, config.num_experts, recv_capacity_rows, smaller);
   }
 
  private:

@@ -450,13 +450,21 @@ class NcclGroup final : public GroupState {
     if (staged_exact_) require_not_capturing(stream);  // before anything is queued, NCCL's sends above all
     h.storage = pool_->acquire();
     cuda::bind_handle(h, h.storage.get(), config, size, rank, device);
-    cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/false, config.align, recv_capacity_rows,
+    cuda::prepare_send_side(h, topk_idx, topk_weights, options, /*local=*/false, config.align, h.recv_capacity,
                             dg_.status, stream);
-    exchange_counts(dg_, *link_, h, cuda::handle_segment_starts(h), stream);
+    exchange_counts(for_handle(h), *link_, h, cuda::handle_segment_starts(h), stream);
     note_exchange(stream, kOpPrepare);
     h.host_send_tokens.clear();
     h.host_recv_tokens.clear();
     if (staged_exact_) copy_counts_to_host(h, stream);
+  }
+
+  // The group's device view with this handle's recv capacity (a pipeline chunk's may be smaller):
+  // the layout flags an overflow against it, and the expansion then writes nothing.
+  DeviceGroup for_handle(const HandleState& h) const {
+    DeviceGroup g = dg_;
+    g.recv_capacity = h.recv_capacity;
+    return g;
   }
 
   static void require_not_capturing(Stream stream) {
@@ -485,8 +493,8 @@ class NcclGroup final : public GroupState {
                         const TensorRef& recv_x, const TensorRef& recv_scales, const TensorRef& recv_weights,
                         Stream stream) override {
     DeviceGuard g(device.index);
-    dispatch_rows(dg_, *link_, h, cuda::handle_segment_starts(h), x, x_scales, topk_weights, recv_x, recv_scales,
-                  recv_weights, stream);
+    dispatch_rows(for_handle(h), *link_, h, cuda::handle_segment_starts(h), x, x_scales, topk_weights, recv_x,
+                  recv_scales, recv_weights, stream);
     note_exchange(stream, kOpDispatch);
   }
 
@@ -542,7 +550,9 @@ class NcclGroup final : public GroupState {
                                  " never arrived (do all ranks make the same collective calls in the same order?). "
                                  "The group is unusable; destroy it on every rank."));
     }
-    raise_layout_status(s, rank, config.num_experts, recv_capacity_rows);
+    const bool smaller = smaller_handle_capacity;
+    smaller_handle_capacity = false;
+    raise_layout_status(s, rank, config.num_experts, recv_capacity_rows, smaller);
   }
 
  private:

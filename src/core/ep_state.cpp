@@ -50,6 +50,16 @@ int64_t worst_case_recv_rows(const GroupConfig& c, int num_ranks) {
          le * (c.align - 1);
 }
 
+std::string recv_overflow_message(int rank, int64_t needed, int64_t capacity, int64_t group_capacity) {
+  if (capacity == group_capacity)
+    return detail::concat("rank ", rank, " would receive ", needed, " expert-major rows, more than the group's recv ",
+                          "capacity of ", capacity, " (raise GroupConfig::recv_capacity_rows or leave it 0 for the ",
+                          "worst case); nothing was written");
+  return detail::concat("rank ", rank, " would receive ", needed, " expert-major rows, more than its handle's recv ",
+                        "capacity of ", capacity, " (PrepareOptions::recv_capacity_rows; the group's is ",
+                        group_capacity, "); nothing was written");
+}
+
 double resolved_timeout_s(const GroupConfig& c) {
   if (c.timeout_s > 0) return c.timeout_s;
   if (const char* env = std::getenv("EPX_TIMEOUT_S")) {
@@ -157,6 +167,7 @@ HandleState& Handle::state() const {
 int Handle::num_tokens() const { return state().num_tokens; }
 int Handle::topk() const { return state().topk; }
 int Handle::capacity() const { return state().capacity; }
+int64_t Handle::recv_capacity_rows() const { return state().recv_capacity; }
 bool Handle::dispatched() const { return state().dispatched; }
 const TensorRef& Handle::expert_offsets() const { return state().expert_offsets.ref(); }
 const TensorRef& Handle::expert_rows() const { return state().expert_rows.ref(); }

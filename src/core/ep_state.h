@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "epx/comm.h"
@@ -47,6 +48,7 @@ struct HandleState {
   int max_tokens = 0;
   int max_topk = 0;
   int capacity = 0;
+  int64_t recv_capacity = 0;  // rows of its expert-major buffers: the group's or a smaller one
   bool dispatched = false;
 
   Tensor routed_experts, pair_pos, token_slot, send_tokens, routed_counts;
@@ -70,6 +72,9 @@ struct GroupState {
   Device device;
   Transport transport = Transport::kHost;
   int64_t recv_capacity_rows = 0;
+  /// A handle with fewer rows than recv_capacity_rows was prepared since the last check(): an
+  /// overflow then names the handle's capacity, not the group's.
+  bool smaller_handle_capacity = false;
   size_t registered_bytes = 0;
 
   virtual ~GroupState() = default;
@@ -107,6 +112,10 @@ struct GroupState {
 /// Worst-case expert-major rows one rank can receive: every token of every rank sends
 /// min(K, E/R) pairs here, plus a partially filled `align` block per local expert.
 int64_t worst_case_recv_rows(const GroupConfig& config, int num_ranks);
+
+/// The message of a dispatch that would receive `needed` expert-major rows into buffers of
+/// `capacity` rows (a handle's, at most the group's `group_capacity`); nothing was written.
+std::string recv_overflow_message(int rank, int64_t needed, int64_t capacity, int64_t group_capacity);
 
 /// The wait timeout in seconds: config.timeout_s, else EPX_TIMEOUT_S, else 10 s.
 double resolved_timeout_s(const GroupConfig& config);

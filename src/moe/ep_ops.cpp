@@ -88,6 +88,9 @@ Handle prepare(Group& group, const TensorRef& topk_idx, const TensorRef& topk_we
                  " rows (tokens), the group was sized for max_tokens_per_rank = ", c.max_tokens_per_rank);
   require(std::isfinite(options.capacity_factor) && options.capacity_factor >= 0, fn, "options.capacity_factor is ",
           options.capacity_factor, ", expected >= 0 (0 = dropless)");
+  require(options.recv_capacity_rows >= 0 && options.recv_capacity_rows <= g.recv_capacity_rows, fn,
+          "options.recv_capacity_rows is ", options.recv_capacity_rows, ", expected 0 (the group's) .. the group's ",
+          g.recv_capacity_rows);
   const bool need_weights = options.capacity_factor > 0 && options.drop_policy == DropPolicy::kByProbability;
   if (need_weights || topk_weights.defined())
     check_tensor(fn, "topk_weights", topk_weights, {T, K}, {DType::kF32, DType::kF64});
@@ -105,6 +108,8 @@ Handle prepare(Group& group, const TensorRef& topk_idx, const TensorRef& topk_we
   s->capacity = options.capacity_factor > 0
                     ? static_cast<int>(std::ceil(static_cast<double>(options.capacity_factor) * T * K / c.num_experts))
                     : 0;
+  s->recv_capacity = options.recv_capacity_rows > 0 ? options.recv_capacity_rows : g.recv_capacity_rows;
+  if (s->recv_capacity < g.recv_capacity_rows) g.smaller_handle_capacity = true;
   g.prepare(*s, topk_idx, need_weights ? topk_weights : TensorRef(), options, stream);
   return Handle(std::move(s));
 }
@@ -123,7 +128,7 @@ void dispatch_forward(Group& group, Handle& handle, const TensorRef& x, const Te
   check_handle(fn, g, h, false);
   require(!h.dispatched, fn, "the handle was already dispatched; prepare a new handle for every layer and "
           "microbatch (its backward still needs this one's routing)");
-  const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
+  const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = h.recv_capacity;
   check_tensor(fn, "x", x, {T, H}, kPayloadTypes);
   const bool quantized = x_scales.defined() || recv_scales.defined();
   // Quantize on the way: a high-precision x without scales, fp8 rows and scales expected out.
@@ -198,7 +203,7 @@ void combine_forward(Group& group, Handle& handle, const TensorRef& y, const Ten
   GroupState& g = group.state();
   HandleState& h = handle.state();
   check_handle(fn, g, h, true);
-  const int64_t T = h.num_tokens, H = g.config.hidden, cap = g.recv_capacity_rows;
+  const int64_t T = h.num_tokens, H = g.config.hidden, cap = h.recv_capacity;
   check_tensor(fn, "y", y, {-1, H}, kPayloadTypes);
   check_min_rows(fn, "y", y, cap);
   check_payload_width(fn, "y", y, g.config);
@@ -218,7 +223,7 @@ void combine_backward(Group& group, Handle& handle, const TensorRef& d_out, cons
   GroupState& g = group.state();
   HandleState& h = handle.state();
   check_handle(fn, g, h, true);
-  const int64_t T = h.num_tokens, H = g.config.hidden, cap = g.recv_capacity_rows;
+  const int64_t T = h.num_tokens, H = g.config.hidden, cap = h.recv_capacity;
   check_tensor(fn, "d_out", d_out, {T, H}, kPayloadTypes);
   check_payload_width(fn, "d_out", d_out, g.config);
   check_tensor(fn, "d_y", d_y, {-1, H}, {d_out.dtype()});
@@ -246,7 +251,7 @@ void dispatch_backward(Group& group, Handle& handle, const TensorRef& d_recv_x, 
   GroupState& g = group.state();
   HandleState& h = handle.state();
   check_handle(fn, g, h, true);
-  const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = g.recv_capacity_rows;
+  const int64_t T = h.num_tokens, K = h.topk, H = g.config.hidden, cap = h.recv_capacity;
   check_tensor(fn, "d_recv_x", d_recv_x, {-1, H}, kPayloadTypes);
   check_min_rows(fn, "d_recv_x", d_recv_x, cap);
   check_payload_width(fn, "d_recv_x", d_recv_x, g.config);

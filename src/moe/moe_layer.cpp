@@ -130,6 +130,16 @@ void split_into_chunks(MoEContext::State& s, int64_t T, int n) {
 
 TensorRef rows_of(const TensorRef& t, const MoEContext::State::Chunk& k) { return t.slice_rows(k.begin, k.end); }
 
+// Rows of a chunk's expert-major buffers: the worst case of ceil(max_tokens_per_rank / n) tokens on
+// every rank (no rank's chunk is longer), and never more than the group's capacity. So n chunks
+// hold about what one does, plus n - 1 more padding blocks per local expert.
+int64_t chunk_capacity(const Group& group, int chunks) {
+  if (chunks == 1) return group.recv_capacity_rows();
+  GroupConfig c = group.config();
+  c.max_tokens_per_rank = (c.max_tokens_per_rank + chunks - 1) / chunks;
+  return std::min(group.recv_capacity_rows(), worst_case_recv_rows(c, group.size()));
+}
+
 // The caller's stream (`main`) runs the GEMMs and FFNs, `comm` the collectives: the layer's side
 // stream with overlap_communication on a GPU, else the caller's, and then nothing needs ordering.
 // Event slots: 0 fork, 1 join, 2 + 2i chunk i's collective done, 3 + 2i chunk i's FFN done.
@@ -301,7 +311,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
 
   // Every buffer first: no allocation between two collectives (one process driving several GPUs
   // must not allocate while a peer's collective waits for this rank).
-  const int64_t cap = group_.recv_capacity_rows(), F = c.ffn_hidden, P = c.projections();
+  const int64_t cap = chunk_capacity(group_, C), F = c.ffn_hidden, P = c.projections();
   const bool fp8 = c.precision != MlpPrecision::kHigh;
   const QuantRecipe rr =
       c.precision == MlpPrecision::kFp8Block ? QuantRecipe::kFp8Block1x128 : QuantRecipe::kMxfp8Rowwise;
@@ -358,7 +368,9 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   // after the layer only).
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
-    k.handle = prepare(group_, rows_of(s.topk_idx, k), rows_of(s.topk_weights, k), c.capacity, st.comm);
+    PrepareOptions po = c.capacity;
+    po.recv_capacity_rows = C > 1 ? cap : 0;
+    k.handle = prepare(group_, rows_of(s.topk_idx, k), rows_of(s.topk_weights, k), po, st.comm);
     st.mark_comm("fwd.prepare");
     if (fp8)
       dispatch_forward(group_, k.handle, rows_of(s.x_q, k), rows_of(s.x_scales, k), rows_of(s.topk_weights, k),
@@ -460,8 +472,8 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
           "accumulate_grads needs fp32 expert gradients; they are ", dtype_name(grads_.w_in.dtype()),
           " (MoEConfig::expert_grads_in_dtype)");
   const DType gt = accum_dtype(c.dtype);
-  const int64_t cap = group_.recv_capacity_rows();
   const int C = static_cast<int>(s.chunks.size());
+  const int64_t cap = chunk_capacity(group_, C);
   Streams st(comm_stream_.get(), dev, stream);
 
   // Every buffer first (see forward).

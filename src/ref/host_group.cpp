@@ -157,7 +157,7 @@ class HostGroup final : public GroupState {
       total += round_up(h.expert_rows.ptr<int32_t>()[j], config.align);
     }
     h.expert_offsets.ptr<int32_t>()[Le] = static_cast<int32_t>(std::min<int64_t>(total, INT32_MAX));
-    h.status.ptr<int32_t>()[0] = total > recv_capacity_rows ? static_cast<int32_t>(total - recv_capacity_rows) : 0;
+    h.status.ptr<int32_t>()[0] = total > h.recv_capacity ? static_cast<int32_t>(total - h.recv_capacity) : 0;
     h.recv_row = Tensor::empty({R, h.max_tokens, K}, DType::kI32);
     std::fill_n(h.recv_row.ptr<int32_t>(), h.recv_row.numel(), -1);
 
@@ -199,10 +199,8 @@ class HostGroup final : public GroupState {
     world_->barrier.arrive_and_wait(rank, fn, timeout_s_);
 
     const int32_t overflow = h.status.ptr<int32_t>()[0];
-    require_status(overflow == 0, Status::kCapacityExceeded, fn, "rank ", rank, " would receive ",
-                   recv_capacity_rows + overflow, " expert-major rows, more than the group's recv capacity of ",
-                   recv_capacity_rows, " (raise GroupConfig::recv_capacity_rows or leave it 0 for the worst case); "
-                   "nothing was written");
+    require_status(overflow == 0, Status::kCapacityExceeded, fn,
+                   recv_overflow_message(rank, h.recv_capacity + overflow, h.recv_capacity, recv_capacity_rows));
     zero_padding(h, recv_x, recv_weights);
     if (scale_bytes) zero_padding(h, recv_scales, {});
     std::vector<int64_t> seg = source_segment_starts(h);

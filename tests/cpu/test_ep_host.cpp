@@ -554,6 +554,66 @@ TEST(EpHostErrors, RecvCapacityOverflowIsReportedAndNothingWritten) {
   for (int i = 0; i < 40; ++i) EXPECT_EQ(load_as_double(recv[0].data(), DType::kBF16, i), 3.0) << "overflowing rank wrote";
 }
 
+// PrepareOptions::recv_capacity_rows: a handle whose buffers hold fewer rows than the group's takes
+// smaller recv_x / y (the same rows as with the group's capacity), refuses a capacity above the
+// group's, and reports an overflow of its own capacity with that capacity, writing nothing.
+TEST(EpHost, HandleRecvCapacityBelowTheGroups) {
+  GroupConfig c = small_config();
+  c.max_dtype = DType::kF32;
+  auto groups = Group::create_simulated(2, c);
+  const int64_t group_cap = groups[0].recv_capacity_rows();
+  std::vector<std::string> msgs(2);
+  std::vector<Tensor> small_out(2), full_out(2), recv(2);
+  run_ranks(groups, [&](Group& g) {
+    const int r = g.rank();
+    Tensor idx = Tensor::empty({3, 2}, DType::kI32);
+    for (int t = 0; t < 3; ++t) {  // token t to experts t % 4 and (t + 1 + r) % 4
+      idx.ptr<int32_t>()[t * 2] = t % 4;
+      idx.ptr<int32_t>()[t * 2 + 1] = (t + 1 + r) % 4;
+    }
+    Tensor x = Tensor::empty({3, 8}, DType::kF32);
+    for (int64_t i = 0; i < x.numel(); ++i) x.ptr<float>()[i] = static_cast<float>(100 * r + i);
+    for (int64_t cap : {int64_t{0}, int64_t{6}}) {
+      PrepareOptions po;
+      po.recv_capacity_rows = cap;
+      Handle h = prepare(g, idx, {}, po);
+      EXPECT_EQ(h.recv_capacity_rows(), cap ? cap : group_cap);
+      const int64_t rows = h.recv_capacity_rows();
+      Tensor rx = Tensor::zeros({rows, 8}, DType::kF32), out = Tensor::zeros({3, 8}, DType::kF32);
+      if (cap) {
+        const std::string e = error_of([&] { dispatch_forward(g, h, x, {}, Tensor::zeros({rows - 1, 8}, DType::kF32), {}); });
+        EXPECT_TRUE(has(e, "recv_x")) << e;
+      }
+      dispatch_forward(g, h, x, {}, rx, {});
+      combine_forward(g, h, rx, {}, out);
+      (cap ? small_out : full_out)[r] = out;
+    }
+    PrepareOptions too_big;
+    too_big.recv_capacity_rows = group_cap + 1;
+    EXPECT_TRUE(has(error_of([&] { prepare(g, idx, {}, too_big); }),
+                    "options.recv_capacity_rows is " + std::to_string(group_cap + 1) + ", expected 0 (the group's) .. "
+                    "the group's " + std::to_string(group_cap)));
+    PrepareOptions tiny;
+    tiny.recv_capacity_rows = 2;
+    Handle h = prepare(g, idx, {}, tiny);
+    recv[r] = Tensor::full({2, 8}, DType::kF32, 3.0);
+    try {
+      dispatch_forward(g, h, x, {}, recv[r], {});
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::kCapacityExceeded);
+      msgs[r] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(small_out[r].numel(), full_out[r].numel());
+    for (int64_t i = 0; i < full_out[r].numel(); ++i)
+      ASSERT_EQ(small_out[r].ptr<float>()[i], full_out[r].ptr<float>()[i]) << "rank " << r;
+    EXPECT_TRUE(has(msgs[r], "more than its handle's recv capacity of 2 (PrepareOptions::recv_capacity_rows; the "
+                             "group's is " + std::to_string(group_cap) + "); nothing was written")) << msgs[r];
+    for (int64_t i = 0; i < recv[r].numel(); ++i) ASSERT_EQ(recv[r].ptr<float>()[i], 3.0f) << "overflowing rank wrote";
+  }
+}
+
 TEST(EpHostErrors, MissingPeerTimesOutNamingIt) {
   GroupConfig c = small_config();
   c.timeout_s = 0.2;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/error_text.h"
+#include "core/ep_state.h"
 #include "core/random.h"
 #include "epx/comm.h"
 #include "epx/error.h"
@@ -587,6 +588,12 @@ TEST(MoELayer, PipelineChunksWithUnequalTokensPerRank) {
       dx[v][r] = Tensor::zeros({tokens[r], cfg.hidden}, cfg.dtype);
       MoEContext ctx = L.forward(x[r], out[v][r]);
       EXPECT_EQ(ctx.num_chunks(), cfg.pipeline_chunks);
+      // a chunk's buffers hold its own worst case (3 of the group's 8 tokens a rank), not the group's
+      for (int k = 0; k < ctx.num_chunks(); ++k) {
+        GroupConfig chunk_cfg = g.config();
+        chunk_cfg.max_tokens_per_rank = v ? 3 : 8;
+        EXPECT_EQ(ctx.handle(k).recv_capacity_rows(), worst_case_recv_rows(chunk_cfg, R)) << "chunk " << k;
+      }
       L.backward(ctx, c[r], dx[v][r]);
       grads[v][r] = flat_grads(L, {&MoEParams::w_in, &MoEParams::w_out, &MoEParams::gate});
     });

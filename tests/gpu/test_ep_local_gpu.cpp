@@ -302,6 +302,45 @@ TEST(EpLocalGpu, RecvOverflowWritesNothingAndIsReported) {
   for (int64_t i = 0; i < back.numel(); ++i) ASSERT_EQ(back.item(i), 3.0) << "overflowing dispatch wrote element " << i;
 }
 
+// The same overflow against a handle's own capacity (PrepareOptions::recv_capacity_rows, the group's
+// being the worst case): nothing written, reported as the handle's. The same handle capacity
+// with room enough gives the group-capacity dispatch's rows.
+TEST(EpLocalGpu, HandleRecvCapacityOverflowWritesNothingAndIsReported) {
+  EPX_REQUIRE_GPU();
+  Case c;
+  c.hot = 3;
+  c.mask_p = 1.0;
+  Group g = Group::create_local(config_of(c), 0);
+  Inputs in = make_inputs(c, 10);
+  Tensor recv = to_gpu(Tensor::full({10, c.H}, c.payload, 3.0));
+  PrepareOptions po;
+  po.recv_capacity_rows = 10;  // 64 rows would be needed
+  Handle h = prepare(g, to_gpu(in.idx), {}, po);
+  dispatch_forward(g, h, to_gpu(in.x), {}, recv, {});
+  try {
+    g.check();
+    FAIL() << "check() must report the overflow";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kCapacityExceeded);
+    EXPECT_NE(std::string(e.what()).find("would receive 54 expert-major rows more than the recv capacity of a handle"),
+              std::string::npos)
+        << e.what();
+  }
+  Tensor back = to_host(recv);
+  for (int64_t i = 0; i < back.numel(); ++i) ASSERT_EQ(back.item(i), 3.0) << "overflowing dispatch wrote element " << i;
+  EXPECT_NO_THROW(g.check()) << "an error is reported once";
+
+  po.recv_capacity_rows = 64;
+  Handle fits = prepare(g, to_gpu(in.idx), {}, po), full = prepare(g, to_gpu(in.idx), {});
+  ASSERT_LT(64, g.recv_capacity_rows());
+  Tensor r64 = to_gpu(Tensor::zeros({64, c.H}, c.payload));
+  Tensor rfull = to_gpu(Tensor::zeros({g.recv_capacity_rows(), c.H}, c.payload));
+  dispatch_forward(g, fits, to_gpu(in.x), {}, r64, {});
+  dispatch_forward(g, full, to_gpu(in.x), {}, rfull, {});
+  g.check();
+  EXPECT_TRUE(testing::bit_equal(to_host(r64), to_host(rfull).ref().slice_rows(0, 64)));
+}
+
 TEST(EpLocalGpu, GraphReplayIsBitIdenticalToEager) {
   EPX_REQUIRE_GPU();
   Case c;
