@@ -114,7 +114,8 @@ void bind_configs(nb::module_& m) {
   nb::class_<PrepareOptions>(m, "PrepareOptions")
       .def(nb::init<>())
       .def_rw("capacity_factor", &PrepareOptions::capacity_factor)
-      .def_rw("drop_policy", &PrepareOptions::drop_policy);
+      .def_rw("drop_policy", &PrepareOptions::drop_policy)
+      .def_rw("recv_capacity_rows", &PrepareOptions::recv_capacity_rows);
   nb::class_<MlpConfig>(m, "MlpConfig")
       .def(nb::init<>())
       .def_rw("activation", &MlpConfig::activation)
@@ -198,6 +199,7 @@ void bind_group(nb::module_& m) {
       .def_prop_ro("num_tokens", &Handle::num_tokens)
       .def_prop_ro("topk", &Handle::topk)
       .def_prop_ro("capacity", &Handle::capacity)
+      .def_prop_ro("recv_capacity_rows", &Handle::recv_capacity_rows)
       .def_prop_ro("dispatched", &Handle::dispatched)
       .def_prop_ro("expert_offsets", &Handle::expert_offsets)
       .def_prop_ro("expert_rows", &Handle::expert_rows)
