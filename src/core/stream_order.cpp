@@ -37,8 +37,12 @@ struct CurrentDevice {
 SideStream::SideStream(Device device, int events) : device_(device) {
   if (device.is_cpu()) return;
   CurrentDevice d(device.index);
+  // The highest priority: the block scheduler then starts this stream's blocks (short, latency-bound
+  // communication kernels) before queued blocks of the caller's (long GEMMs) as SMs free up.
+  int least = 0, greatest = 0;
+  check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
   cudaStream_t s = nullptr;
-  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  check(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
   stream_ = s;
   for (int i = 0; i < events; ++i) {
     cudaEvent_t e = nullptr;

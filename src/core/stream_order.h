@@ -13,8 +13,8 @@ namespace epx::detail {
 
 class SideStream {
  public:
-  /// A non-blocking stream on `device` and `events` events, all made here (never later, where a
-  /// CUDA graph capture may be under way); nothing for a CPU device.
+  /// A non-blocking stream of the device's highest priority on `device` and `events` events, all
+  /// made here (never later, where a CUDA graph capture may be under way); nothing for a CPU device.
   SideStream(Device device, int events);
   ~SideStream();
   SideStream(const SideStream&) = delete;
