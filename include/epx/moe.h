@@ -71,9 +71,11 @@ struct MoEConfig {
   /// Runs the layer's collectives (prepare, dispatch, combine, their backward, the statistics'
   /// all-reduce) on a stream of the layer's own, ordered with the caller's stream by events: the
   /// shared experts run while the tokens travel, and with pipeline_chunks > 1 chunk c's FFN runs
-  /// while later chunks are dispatched and earlier ones combined. Give the communication kernels an
-  /// SM budget (GroupConfig::num_sms) so that the GEMMs keep SMs beside them. No effect on results;
-  /// on the CPU reference the steps run in the same order, one after another.
+  /// while later chunks are dispatched and earlier ones combined. With an SM budget for the
+  /// communication kernels (GroupConfig::num_sms = b) the layer's grouped GEMMs take the other SMs
+  /// (they are persistent: sized for every SM they would hold the SMs the collectives wait for
+  /// until they end); without one both take what they get. No effect on results; on the CPU
+  /// reference the steps run in the same order, one after another.
   bool overlap_communication = false;
 
   void validate(const char* fn, const Group& group) const;
@@ -186,6 +188,7 @@ class MoELayer {
   MoEParams grads_;
   Tensor fp8_w_in_q_, fp8_w_in_scales_, fp8_w_out_q_, fp8_w_out_scales_;  // fp8_weight_cache
   std::unique_ptr<detail::SideStream> comm_stream_;                      // overlap_communication
+  int overlap_gemm_sms_ = 0;  // SMs the grouped GEMMs take beside the collectives (0 = all)
 };
 
 }  // namespace epx

@@ -50,6 +50,12 @@ int cuda_device_count() {
   return n;
 }
 
+int device_sm_count(int device) {
+  int n = 0;
+  cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return n;
+}
+
 void* device_alloc(size_t bytes, int device) {
   if (bytes == 0) return nullptr;
   int previous = -1;
@@ -188,6 +194,9 @@ PhasePrefix::~PhasePrefix() { t_phase_prefix = saved_; }
 
 bool cuda_backend_built() { return false; }
 int cuda_device_count() { return 0; }
+int device_sm_count(int) {
+  throw Error(Status::kNotSupported, "epx: a device's SM count was asked for but epx was built without the CUDA backend");
+}
 
 void* device_alloc(size_t, int) {
   throw Error(Status::kNotSupported, "epx: device memory requested but epx was built without the CUDA backend");

@@ -12,6 +12,8 @@ namespace epx::detail {
 bool cuda_backend_built();
 /// Visible CUDA devices; 0 without the backend, a driver or a GPU (never throws).
 int cuda_device_count();
+/// Multiprocessors of CUDA device `device`.
+int device_sm_count(int device);
 void* device_alloc(size_t bytes, int device);
 void device_free(void* ptr, int device) noexcept;
 /// Synchronous copy between host and/or device memory.

@@ -24,6 +24,7 @@
 #include "core/check.h"
 #include "core/device_memory.h"
 #include "core/ep_state.h"
+#include "core/gemm_sm_limit.h"
 #include "core/stream_order.h"
 #include "epx/error.h"
 #include "epx/quant.h"
@@ -230,8 +231,11 @@ MoELayer::MoELayer(Group& group, const MoEConfig& config, ParamStorage storage) 
   // Two contexts in flight, each holding a handle per chunk.
   if (config.pipeline_chunks > 1) group.state().reserve_handles(2 * static_cast<size_t>(config.pipeline_chunks) + 2);
   // Made here, not at the first forward, which may be under a CUDA graph capture.
-  if (config.overlap_communication && group.device().is_cuda())
+  if (config.overlap_communication && group.device().is_cuda()) {
     comm_stream_ = std::make_unique<detail::SideStream>(group.device(), Streams::events(config.pipeline_chunks));
+    const int ep_sms = group.config().num_sms;
+    if (ep_sms > 0) overlap_gemm_sms_ = std::max(1, detail::device_sm_count(group.device().index) - ep_sms);
+  }
   if (storage == ParamStorage::kExternal) return;
   const Device dev = group.device();
   for (const ParamSpec& p : specs_) {
@@ -363,6 +367,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   }
   st.mark_main("fwd.gate_route");
   st.fork();
+  const detail::GemmSmLimit gemm_sms(overlap_gemm_sms_);
 
   // Collectives: every chunk's routing and dispatch, then the statistics (the losses are read
   // after the layer only).
@@ -491,6 +496,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   if (shared) ensure(s.d_x_shared, {T, H}, c.dtype, dev);
   st.mark_main("");
   st.fork();
+  const detail::GemmSmLimit gemm_sms(overlap_gemm_sms_);
 
   // Every chunk's output gradient to its experts.
   for (int i = 0; i < C; ++i) {

@@ -22,6 +22,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "core/gemm_sm_limit.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 
@@ -315,10 +316,12 @@ void set_tile_order(Arguments& args) {
   args.scheduler.max_swizzle_size = order.swizzle;
 }
 
+// The persistent grid: every SM, or the caller's thread's limit (detail::GemmSmLimit).
 inline cutlass::KernelHardwareInfo hardware_info() {
   cutlass::KernelHardwareInfo hw;
   EPX_CUDA_CHECK(cudaGetDevice(&hw.device_id));
-  hw.sm_count = sm_count();
+  const int limit = ::epx::detail::gemm_sm_limit();
+  hw.sm_count = limit > 0 && limit < sm_count() ? limit : sm_count();
   return hw;
 }
 
