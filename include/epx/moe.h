@@ -66,6 +66,8 @@ struct MoEConfig {
   /// except the routed experts' weight gradients, which add up the chunks' (each sum in fp32, then
   /// one rounding to the gradient's dtype per chunk: with expert_grads_in_dtype on a bf16 layer,
   /// one bf16 rounding per chunk). Needs dropless routing (capacity is decided over the whole batch).
+  /// On the staged transport with fixed sizes every exchange moves max_tokens_per_rank rows a peer,
+  /// so n chunks move n times the bytes: there, use GroupConfig::staged_exact_sizes or one chunk.
   int pipeline_chunks = 1;
   static constexpr int kMaxPipelineChunks = 16;
   /// Runs the layer's collectives (prepare, dispatch, combine, their backward, the statistics'
