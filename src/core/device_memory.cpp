@@ -195,7 +195,8 @@ PhasePrefix::~PhasePrefix() { t_phase_prefix = saved_; }
 bool cuda_backend_built() { return false; }
 int cuda_device_count() { return 0; }
 int device_sm_count(int) {
-  throw Error(Status::kNotSupported, "epx: a device's SM count was asked for but epx was built without the CUDA backend");
+  throw Error(Status::kNotSupported,
+              "epx: a device's SM count was asked for but epx was built without the CUDA backend");
 }
 
 void* device_alloc(size_t, int) {

@@ -18,7 +18,8 @@ void* SideStream::event(const char* fn, int slot) const {
 
 namespace {
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(Status::kCudaError, concat("epx::SideStream: ", what, " failed: ", cudaGetErrorString(e)));
+  if (e != cudaSuccess)
+    throw Error(Status::kCudaError, concat("epx::SideStream: ", what, " failed: ", cudaGetErrorString(e)));
 }
 
 // Streams and events belong to the device current at their creation.

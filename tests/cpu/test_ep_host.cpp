@@ -581,7 +581,8 @@ TEST(EpHost, HandleRecvCapacityBelowTheGroups) {
       const int64_t rows = h.recv_capacity_rows();
       Tensor rx = Tensor::zeros({rows, 8}, DType::kF32), out = Tensor::zeros({3, 8}, DType::kF32);
       if (cap) {
-        const std::string e = error_of([&] { dispatch_forward(g, h, x, {}, Tensor::zeros({rows - 1, 8}, DType::kF32), {}); });
+        const Tensor short_recv = Tensor::zeros({rows - 1, 8}, DType::kF32);
+        const std::string e = error_of([&] { dispatch_forward(g, h, x, {}, short_recv, {}); });
         EXPECT_TRUE(has(e, "recv_x")) << e;
       }
       dispatch_forward(g, h, x, {}, rx, {});

@@ -620,7 +620,8 @@ TEST(ExpertMlpGpu, ExpertBiasesMatchReference) {
     Tensor yb = to_gpu(Tensor::zeros({R, H}, DType::kBF16)), ab = to_gpu(Tensor::zeros({R, P, F}, DType::kBF16));
     Tensor hb = to_gpu(Tensor::zeros({R, F}, DType::kBF16)), xg = to_gpu(x), wig = to_gpu(w_in), wog = to_gpu(w_out);
     Tensor offg = to_gpu(L.offsets), rowsg = to_gpu(L.rows), rwg = to_gpu(rw);
-    expert_mlp_forward(cfg, MlpTensors{xg, offg, rowsg, k.early ? rwg.ref() : TensorRef(), wig, {}, wog, {}, ab, hb, yb});
+    const TensorRef early_w = k.early ? rwg.ref() : TensorRef();
+    expert_mlp_forward(cfg, MlpTensors{xg, offg, rowsg, early_w, wig, {}, wog, {}, ab, hb, yb});
     EXPECT_GT(rel_err(got.y, yb), 1e-2) << "b_in and b_out changed nothing";
   }
 }

@@ -367,7 +367,8 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   const TensorRef h_q = in_scratch(9, DType::kF8E4M3, {R, F}), h_s = in_scratch(10, DType::kF32, {R, F / 128});
   quantize(QuantRecipe::kFp8Block1x128, ref_of(t.h.data(), DType::kBF16, {R, F}), h_q, h_s, QuantOptions{}, stream);
   grouped_forward_fp8_cuda(h_q, h_s, wo_q, wo_s, t.offsets, t.rows, t.y, stream, t.row_align);
-  if (t.b_out.defined()) add_group_bias(H, R, off, rows, static_cast<int>(G), t.b_out.data(), t.y.data(), to_cuda(stream));
+  if (t.b_out.defined())
+    add_group_bias(H, R, off, rows, static_cast<int>(G), t.b_out.data(), t.y.data(), to_cuda(stream));
   detail::phase_mark(stream, "fc2");
 }
 
