@@ -98,8 +98,8 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     const double flops = 3.0 * run.forward_gemm_flops();  // forward + dgrad + wgrad
     const double floor_us = flops / dense * 1e6;
     if (talk)
-      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\",\"fp8_weight_cache\":%s,"
-                  "\"sm_budget\":%d,\"align\":%d,\"chunks\":%d,\"overlap\":%s,\"expert_grads\":\"%s\",\"ranks\":%d,"
+      std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\","
+                  "\"fp8_weight_cache\":%s,\"sm_budget\":%d,\"align\":%d,\"chunks\":%d,\"overlap\":%s,\"expert_grads\":\"%s\",\"ranks\":%d,"
                   "\"tokens\":%lld,\"hidden\":%lld,"
                   "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
                   "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
