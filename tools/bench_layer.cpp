@@ -99,8 +99,8 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     const double floor_us = flops / dense * 1e6;
     if (talk)
       std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\","
-                  "\"fp8_weight_cache\":%s,\"sm_budget\":%d,\"align\":%d,\"chunks\":%d,\"overlap\":%s,\"expert_grads\":\"%s\",\"ranks\":%d,"
-                  "\"tokens\":%lld,\"hidden\":%lld,"
+                  "\"fp8_weight_cache\":%s,\"sm_budget\":%d,\"align\":%d,\"chunks\":%d,\"overlap\":%s,"
+                  "\"expert_grads\":\"%s\",\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
                   "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
                   "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
                   "\"tensor_core_floor_us\":%.1f,\"fwd_bwd_over_floor\":%.3f,\"achieved_tflops_fwd_bwd\":%.1f,"
