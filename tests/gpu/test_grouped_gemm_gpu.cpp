@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/error_text.h"
+#include "core/gemm_sm_limit.h"
 #include "core/scoped_env.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/comm.h"
@@ -132,6 +133,43 @@ TEST(GroupedGemmGpu, ForwardDgradWgradMatchReference) {
   EXPECT_LT(rel_err(dw, dw_ref), 1e-2);
   Tensor dwh = to_host(dw);
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(dwh.item(i), 0.0) << "empty expert's gradient must be zero";
+}
+
+// A GEMM SM limit (detail::GemmSmLimit, what an overlapped layer sets while its collectives run)
+// shrinks the persistent grid, never a tile's sums: forward, dgrad and wgrad (fp32 and bf16 out) give
+// the unlimited bits on every forward schedule and with 128-row-aligned groups.
+TEST(GroupedGemmGpu, SmLimitGivesIdenticalResults) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 256, N = 384;
+  for (int align : {16, 128}) {
+    const Layout L = make_layout({300, 0, 1, 130, 16, 0, 900}, align);
+    const int G = static_cast<int>(L.rows.size(0));
+    const Tensor x = to_gpu(randn({L.total, K}, DType::kBF16, 81)), w = to_gpu(randn({G, K, N}, DType::kBF16, 82, 0.1));
+    const Tensor dy = to_gpu(randn({L.total, N}, DType::kBF16, 83));
+    const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+    for (const char* schedule : {"auto", "cooperative", "pingpong", "contiguous"}) {
+      if (align != 128 && std::string(schedule) == "contiguous") continue;
+      SCOPED_TRACE(std::string(schedule) + ", align " + std::to_string(align));
+      const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", schedule);
+      auto run = [&](int sms) {
+        const detail::GemmSmLimit limit(sms);
+        std::vector<Tensor> out = {to_gpu(Tensor::zeros({L.total, N}, DType::kBF16)),
+                                   to_gpu(Tensor::zeros({L.total, K}, DType::kBF16)),
+                                   to_gpu(Tensor::zeros({G, K, N}, DType::kF32)),
+                                   to_gpu(Tensor::zeros({G, K, N}, DType::kBF16))};
+        grouped_gemm_forward(x, w, off, rows, out[0], {}, align);
+        grouped_gemm_dgrad(dy, w, off, rows, out[1], {}, align);
+        grouped_gemm_wgrad(x, dy, off, rows, out[2]);
+        grouped_gemm_wgrad(x, dy, off, rows, out[3]);
+        std::vector<Tensor> host;
+        for (const Tensor& t : out) host.push_back(to_host(t));
+        return host;
+      };
+      const std::vector<Tensor> all = run(0), few = run(8);
+      const char* names[] = {"forward", "dgrad", "wgrad fp32", "wgrad bf16"};
+      for (size_t i = 0; i < all.size(); ++i) EXPECT_TRUE(testing::bit_equal(few[i], all[i])) << names[i];
+    }
+  }
 }
 
 // The persistent scheduler's tile order (EPX_GEMM_RASTER, EPX_GEMM_SWIZZLE) changes which CTA runs
@@ -554,13 +592,15 @@ TEST(ExpertMlpGpu, ExpertBiasesMatchReference) {
     bool early;
     int64_t H, F;
   };
+  // skewed with an empty and a one-row expert, and every row in one expert
+  for (const std::vector<int>& sizes : {std::vector<int>{20, 0, 33, 1, 7}, std::vector<int>{0, 0, 61, 0}})
   for (const Case& k : {Case{MlpPrecision::kHigh, Activation::kSwiGLU, false, 64, 48},
                         Case{MlpPrecision::kHigh, Activation::kGelu, true, 64, 48},
                         Case{MlpPrecision::kFp8Block, Activation::kSwiGLU, false, 256, 128}}) {
     SCOPED_TRACE(std::string(mlp_precision_name(k.precision)) + " " + activation_name(k.act) +
-                 (k.early ? " early" : ""));
+                 (k.early ? " early" : "") + ", " + std::to_string(sizes.size()) + " experts");
     const int64_t H = k.H, F = k.F, P = is_gated(k.act) ? 2 : 1;
-    const Layout L = make_layout({20, 0, 33, 1, 7}, 16);
+    const Layout L = make_layout(sizes, 16);
     const int G = static_cast<int>(L.rows.size(0));
     const int64_t R = L.total;
     MlpConfig cfg{k.act, k.early, k.precision};
