@@ -74,9 +74,10 @@ struct MoEConfig {
   /// all-reduce) on a stream of the layer's own, ordered with the caller's stream by events: the
   /// shared experts run while the tokens travel, and with pipeline_chunks > 1 chunk c's FFN runs
   /// while later chunks are dispatched and earlier ones combined. With an SM budget for the
-  /// communication kernels (GroupConfig::num_sms = b) the layer's grouped GEMMs take the other SMs
-  /// (they are persistent: sized for every SM they would hold the SMs the collectives wait for
-  /// until they end); without one both take what they get. No effect on results; on the CPU
+  /// communication kernels (GroupConfig::num_sms = b) the grouped GEMMs that run beside them (the
+  /// shared experts', and with chunks the routed experts') take the other SMs (they are persistent:
+  /// sized for every SM they would hold the SMs the collectives wait for until they end); without
+  /// one both take what they get. No effect on results; on the CPU
   /// reference the steps run in the same order, one after another.
   bool overlap_communication = false;
 

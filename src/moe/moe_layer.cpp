@@ -367,7 +367,6 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   }
   st.mark_main("fwd.gate_route");
   st.fork();
-  const detail::GemmSmLimit gemm_sms(overlap_gemm_sms_);
 
   // Collectives: every chunk's routing and dispatch, then the statistics (the losses are read
   // after the layer only).
@@ -396,11 +395,14 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     MlpTensors sh{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
                   s.shared_a, s.shared_h, s.shared_y};
     detail::PhasePrefix in_shared("fwd.shared.");
+    const detail::GemmSmLimit beside_dispatch(overlap_gemm_sms_);
     expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, sh, stream);
   }
   st.mark_main("fwd.shared");
 
-  // Routed experts, chunk by chunk as their tokens arrive.
+  // Routed experts, chunk by chunk as their tokens arrive. Only with other chunks is there
+  // communication beside them to leave SMs to.
+  const int beside_other_chunks = C > 1 ? overlap_gemm_sms_ : 0;
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
@@ -416,6 +418,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     }
     {
       detail::PhasePrefix in_ffn("fwd.ffn.");
+      const detail::GemmSmLimit beside_collectives(beside_other_chunks);
       expert_mlp_forward(MlpConfig{c.activation, c.apply_weights_early, c.precision}, mt, stream);
     }
     st.mark_main("fwd.ffn");
@@ -496,7 +499,6 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   if (shared) ensure(s.d_x_shared, {T, H}, c.dtype, dev);
   st.mark_main("");
   st.fork();
-  const detail::GemmSmLimit gemm_sms(overlap_gemm_sms_);
 
   // Every chunk's output gradient to its experts.
   for (int i = 0; i < C; ++i) {
@@ -514,11 +516,13 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
                   s.shared_a, s.shared_h, s.shared_y};
     MlpGrads sg{d_out, s.d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
     detail::PhasePrefix in_shared("bwd.shared.");
+    const detail::GemmSmLimit beside_combine(overlap_gemm_sms_);
     expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume, acc}, sh, sg, stream);
   }
   st.mark_main("bwd.shared");
 
   // Routed experts chunk by chunk; the weight gradients of the chunks after the first add to the first's.
+  const int beside_other_chunks = C > 1 ? overlap_gemm_sms_ : 0;
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
@@ -531,6 +535,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
       detail::PhasePrefix in_ffn("bwd.ffn.");
       MlpConfig mc{c.activation, c.apply_weights_early, c.precision, consume, acc || i > 0};
       mc.accumulate_in_weight_dtype = i > 0;  // bf16 expert gradients: one rounding per chunk
+      const detail::GemmSmLimit beside_collectives(beside_other_chunks);
       expert_mlp_backward(mc, mt, mg, stream);
     }
     st.mark_main("bwd.ffn");
