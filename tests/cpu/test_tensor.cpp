@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "core/device_memory.h"
+#include "core/gemm_sm_limit.h"
 #include "epx/error.h"
 #include "epx/tensor.h"
 
@@ -50,6 +53,27 @@ TEST(Tensor, CopyChecksDtypeAndSize) {
   Tensor d = Tensor::full({4}, DType::kF32, 2.0);
   copy(d, a);
   EXPECT_EQ(a.item(3), 2.0);
+}
+
+// The GEMM SM limit is per thread and per scope: nested scopes restore the outer value, 0 lifts it,
+// and another thread never sees it.
+TEST(CoreScopes, GemmSmLimitNestsAndStaysOnItsThread) {
+  EXPECT_EQ(detail::gemm_sm_limit(), 0);
+  {
+    const detail::GemmSmLimit outer(100);
+    EXPECT_EQ(detail::gemm_sm_limit(), 100);
+    {
+      const detail::GemmSmLimit none(0);
+      EXPECT_EQ(detail::gemm_sm_limit(), 0);
+      const detail::GemmSmLimit negative(-3);
+      EXPECT_EQ(detail::gemm_sm_limit(), 0);
+    }
+    EXPECT_EQ(detail::gemm_sm_limit(), 100);
+    int seen = -1;
+    std::thread([&] { seen = detail::gemm_sm_limit(); }).join();
+    EXPECT_EQ(seen, 0);
+  }
+  EXPECT_EQ(detail::gemm_sm_limit(), 0);
 }
 
 }  // namespace epx
