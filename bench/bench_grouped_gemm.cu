@@ -20,7 +20,9 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "core/gemm_sm_limit.h"
 #include "core/scoped_env.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
@@ -322,6 +324,15 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
       const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
       grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align);
     });
+  // The forward on fewer SMs, as an overlapped MoE layer runs it beside its collectives (their
+  // budget of 16 or 32 SMs left free): what that budget costs the GEMM.
+  const int sms = cuda::sm_count();
+  const std::vector<int> sm_limits = {sms - 16, sms - 32};
+  for (int limit : sm_limits)
+    fns.push_back([&, limit] {
+      const detail::GemmSmLimit fewer(limit);
+      grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align);
+    });
   const std::vector<double> t = bench::time_interleaved(fns);
   const double tf = t[0], td = t[1];
   JsonLine j;
@@ -343,8 +354,15 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
           .add("time_us", t[3 + b]).add("tflops", flops / t[3 + b] * 1e-6).add("fraction_of_forward", tf / t[3 + b])
           .print();
   }
+  const size_t first_limit = t.size() - sm_limits.size();
+  for (size_t i = 0; i < sm_limits.size(); ++i) {
+    const double ti = t[first_limit + i];
+    JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("sm_limit", sm_limits[i])
+        .add("sms", sms).add("time_us", ti).add("tflops", flops / ti * 1e-6).add("fraction_of_all_sms", tf / ti)
+        .print();
+  }
   for (size_t i = 0; i < pointer_array.size(); ++i) {
-    const double ti = t[t.size() - pointer_array.size() + i];
+    const double ti = t[first_limit - pointer_array.size() + i];
     JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("schedule", pointer_array[i])
         .add("time_us", ti).add("tflops", flops / ti * 1e-6).add("auto_speedup", ti / tf).print();
   }
