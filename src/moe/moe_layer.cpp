@@ -131,6 +131,19 @@ void split_into_chunks(MoEContext::State& s, int64_t T, int n) {
 
 TensorRef rows_of(const TensorRef& t, const MoEContext::State::Chunk& k) { return t.slice_rows(k.begin, k.end); }
 
+// The routed experts' FFN operands of one chunk, as forward writes them and backward reads them.
+MlpTensors routed_tensors(const MoEConfig& c, const MoEParams& p, const MoEContext::State::Chunk& k) {
+  return MlpTensors{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
+                    c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
+                    p.w_in, p.b_in, p.w_out, p.b_out, k.a, k.h, k.y, k.recv_scales};
+}
+
+// The shared experts' operands: one group of all T tokens of x.
+MlpTensors shared_tensors(const TensorRef& x, const MoEParams& p, const MoEContext::State& s) {
+  return MlpTensors{x, s.shared_offsets, s.shared_rows, {}, p.shared_w_in, {}, p.shared_w_out, {},
+                    s.shared_a, s.shared_h, s.shared_y};
+}
+
 // Rows of a chunk's expert-major buffers: the worst case of ceil(max_tokens_per_rank / n) tokens on
 // every rank (no rank's chunk is longer), and never more than the group's capacity. So n chunks
 // hold about what one does, plus n - 1 more padding blocks per local expert.
@@ -392,13 +405,13 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
 
   // Shared experts: one dense FFN over all tokens (a one-group grouped FFN), while the tokens travel.
   if (shared) {
-    MlpTensors sh{x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
-                  s.shared_a, s.shared_h, s.shared_y};
-    detail::PhasePrefix in_shared("fwd.shared.");
-    const detail::GemmSmLimit beside_dispatch(overlap_gemm_sms_);
-    expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, sh, stream);
+    {
+      detail::PhasePrefix in_shared("fwd.shared.");
+      const detail::GemmSmLimit beside_dispatch(overlap_gemm_sms_);
+      expert_mlp_forward(MlpConfig{c.activation, false, c.precision}, shared_tensors(x, params_, s), stream);
+    }
+    st.mark_main("fwd.shared");
   }
-  st.mark_main("fwd.shared");
 
   // Routed experts, chunk by chunk as their tokens arrive. Only with other chunks is there
   // communication beside them to leave SMs to.
@@ -406,9 +419,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
-    MlpTensors mt{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
-                  c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
-                  params_.w_in, params_.b_in, params_.w_out, params_.b_out, k.a, k.h, k.y, k.recv_scales};
+    MlpTensors mt = routed_tensors(c, params_, k);
     mt.row_align = group_.config().align;
     if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda()) {
       mt.w_in_q = fp8_w_in_q_;
@@ -512,23 +523,22 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
 
   // Shared experts, while the gradients travel.
   if (shared) {
-    MlpTensors sh{s.x, s.shared_offsets, s.shared_rows, {}, params_.shared_w_in, {}, params_.shared_w_out, {},
-                  s.shared_a, s.shared_h, s.shared_y};
     MlpGrads sg{d_out, s.d_x_shared, {}, grads_.shared_w_in, {}, grads_.shared_w_out, {}};
-    detail::PhasePrefix in_shared("bwd.shared.");
-    const detail::GemmSmLimit beside_combine(overlap_gemm_sms_);
-    expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume, acc}, sh, sg, stream);
+    {
+      detail::PhasePrefix in_shared("bwd.shared.");
+      const detail::GemmSmLimit beside_combine(overlap_gemm_sms_);
+      expert_mlp_backward(MlpConfig{c.activation, false, c.precision, consume, acc}, shared_tensors(s.x, params_, s),
+                          sg, stream);
+    }
+    st.mark_main("bwd.shared");
   }
-  st.mark_main("bwd.shared");
 
   // Routed experts chunk by chunk; the weight gradients of the chunks after the first add to the first's.
   const int beside_other_chunks = C > 1 ? overlap_gemm_sms_ : 0;
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
-    MlpTensors mt{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
-                  c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
-                  params_.w_in, params_.b_in, params_.w_out, params_.b_out, k.a, k.h, k.y, k.recv_scales};
+    const MlpTensors mt = routed_tensors(c, params_, k);
     MlpGrads mg{k.d_y, k.d_recv_x, c.apply_weights_early ? k.d_recv_weights.ref() : TensorRef(),
                 grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
     {
