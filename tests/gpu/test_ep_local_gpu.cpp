@@ -277,6 +277,20 @@ TEST(EpLocalGpu, BadIdsAreMaskedAndReportedByCheck) {
   EXPECT_NO_THROW(g.check()) << "an error is reported once";
 }
 
+// After a dispatch that overflowed its recv capacity: check() raises kCapacityExceeded with
+// `message` in its text, and recv (filled with 3 before) was not written.
+void expect_overflow_reported(Group& g, const Tensor& recv, const std::string& message) {
+  try {
+    g.check();
+    ADD_FAILURE() << "check() must report the overflow";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kCapacityExceeded);
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+  Tensor back = to_host(recv);
+  for (int64_t i = 0; i < back.numel(); ++i) ASSERT_EQ(back.item(i), 3.0) << "overflowing dispatch wrote element " << i;
+}
+
 TEST(EpLocalGpu, RecvOverflowWritesNothingAndIsReported) {
   EPX_REQUIRE_GPU();
   Case c;
@@ -289,17 +303,7 @@ TEST(EpLocalGpu, RecvOverflowWritesNothingAndIsReported) {
   Tensor recv = to_gpu(Tensor::full({10, c.H}, c.payload, 3.0));
   Handle h = prepare(g, to_gpu(in.idx), {});
   dispatch_forward(g, h, to_gpu(in.x), {}, recv, {});
-  try {
-    g.check();
-    FAIL() << "check() must report the overflow";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kCapacityExceeded);
-    EXPECT_NE(std::string(e.what()).find("would receive 64 expert-major rows, more than the group's recv capacity of 10"),
-              std::string::npos)
-        << e.what();
-  }
-  Tensor back = to_host(recv);
-  for (int64_t i = 0; i < back.numel(); ++i) ASSERT_EQ(back.item(i), 3.0) << "overflowing dispatch wrote element " << i;
+  expect_overflow_reported(g, recv, "would receive 64 expert-major rows, more than the group's recv capacity of 10");
 }
 
 // The same overflow against a handle's own capacity (PrepareOptions::recv_capacity_rows, the group's
@@ -317,17 +321,7 @@ TEST(EpLocalGpu, HandleRecvCapacityOverflowWritesNothingAndIsReported) {
   po.recv_capacity_rows = 10;  // 64 rows would be needed
   Handle h = prepare(g, to_gpu(in.idx), {}, po);
   dispatch_forward(g, h, to_gpu(in.x), {}, recv, {});
-  try {
-    g.check();
-    FAIL() << "check() must report the overflow";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kCapacityExceeded);
-    EXPECT_NE(std::string(e.what()).find("would receive 54 expert-major rows more than the recv capacity of a handle"),
-              std::string::npos)
-        << e.what();
-  }
-  Tensor back = to_host(recv);
-  for (int64_t i = 0; i < back.numel(); ++i) ASSERT_EQ(back.item(i), 3.0) << "overflowing dispatch wrote element " << i;
+  expect_overflow_reported(g, recv, "would receive 54 expert-major rows more than the recv capacity of a handle");
   EXPECT_NO_THROW(g.check()) << "an error is reported once";
 
   po.recv_capacity_rows = 64;

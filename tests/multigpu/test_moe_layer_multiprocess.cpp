@@ -44,13 +44,19 @@ TEST(MoELayerMultiProcess, Fp8ForwardMatchesReference) {
     }
 }
 
-TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {
-  EPX_REQUIRE_LAYER_LAUNCH();
+// A layer small enough to train a few steps in a test: bf16, 32 experts, a shared expert.
+MoEConfig small_test_layer() {
   MoEConfig c = moe_config(find_preset("small"), DType::kBF16);
   c.hidden = 256;
   c.ffn_hidden = 128;
   c.shared_ffn_hidden = 128;
   c.router.num_experts = 32;
+  return c;
+}
+
+TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {
+  EPX_REQUIRE_LAYER_LAUNCH();
+  MoEConfig c = small_test_layer();
   c.expert_grads_in_dtype = true;
   Group g = tools::make_gpu_group(tools::layer_group_config(c, 512));
   tools::LayerRun run(g, c, 512, 3);
@@ -66,12 +72,8 @@ TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {
 // expert weight gradients within fp32 rounding (they add the chunks' sums).
 TEST(MoELayerMultiProcess, PipelineChunksMatchOneChunk) {
   EPX_REQUIRE_LAYER_LAUNCH();
-  MoEConfig one = moe_config(find_preset("small"), DType::kBF16);
-  one.hidden = 256;
-  one.ffn_hidden = 128;
-  one.shared_ffn_hidden = 128;
-  one.router.num_experts = 32;
-  ASSERT_FALSE(one.expert_grads_in_dtype) << "chunks need fp32 expert gradients";
+  const MoEConfig one = small_test_layer();
+  ASSERT_FALSE(one.expert_grads_in_dtype) << "the tolerance below is for fp32 expert gradients";
   MoEConfig many = one;
   many.pipeline_chunks = 3;
   many.overlap_communication = true;
