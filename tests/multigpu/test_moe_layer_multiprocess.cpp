@@ -2,6 +2,7 @@
 // check `epx demo` runs before training), and a few training steps whose loss must go down.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -69,7 +70,8 @@ TEST(MoELayerMultiProcess, TrainingStepsLowerTheLoss) {
 
 // The pipelined layer across ranks (3 uneven chunks, collectives on the layer's own stream with an
 // SM budget) against the plain one on the same group: outputs and input gradients bit for bit,
-// expert weight gradients within fp32 rounding (they add the chunks' sums).
+// expert weight gradients within the rounding of fp32 sums taken in another order (the bound of
+// MoELayerGpu.PipelineChunksMatchOneChunk: 2^-12 of the value plus a twentieth of the largest).
 TEST(MoELayerMultiProcess, PipelineChunksMatchOneChunk) {
   EPX_REQUIRE_LAYER_LAUNCH();
   const MoEConfig one = small_test_layer();
@@ -96,9 +98,11 @@ TEST(MoELayerMultiProcess, PipelineChunksMatchOneChunk) {
     const Tensor ga = (a.layer().grads().*which).to(Device::cpu()), gb = (b.layer().grads().*which).to(Device::cpu());
     ASSERT_EQ(ga.numel(), gb.numel());
     int64_t bad = 0, nonzero = 0;
+    double top = 0;
+    for (int64_t i = 0; i < ga.numel(); ++i) top = std::max(top, std::abs(ga.item(i)));
     for (int64_t i = 0; i < ga.numel(); ++i) {
       const double want = ga.item(i), have = gb.item(i);
-      bad += std::abs(have - want) > 1e-5 * std::abs(want) + 1e-9;  // fp32 gradients
+      bad += std::abs(have - want) > 0x1p-12 * (std::abs(want) + 0.05 * top);  // fp32 gradients
       nonzero += want != 0;
     }
     EXPECT_EQ(bad, 0) << "expert gradient, rank " << g.rank();
