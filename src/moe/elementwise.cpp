@@ -1,5 +1,6 @@
 #include "moe/elementwise.h"
 
+#include <string>
 #include <vector>
 
 #include "core/device_memory.h"
@@ -11,26 +12,54 @@
 
 namespace epx::detail {
 
-void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream) {
-  require(a.numel() == b.numel() && a.numel() == out.numel(), "epx::add", "a is ", a.str(), ", b is ", b.str(),
-          ", out is ", out.str(), ", expected equal element counts");
-  require(a.device() == out.device() && b.device() == out.device(), "epx::add", "a is on ", a.device().str(),
-          ", b on ", b.device().str(), ", out on ", out.device().str(), ", expected one device");
+namespace {
+
+// out = round(in[0] + in[1] [+ in[2]]), left to right in fp32 (fp64 when out is fp64); in[2] may be null.
+void add_any(const TensorRef* const in[3], const TensorRef& out, Stream stream) {
+  const TensorRef &a = *in[0], &b = *in[1];
+  const TensorRef* c = in[2];
+  const char* fn = "epx::add";
+  require(a.numel() == out.numel() && b.numel() == out.numel() && (!c || c->numel() == out.numel()), fn, "a is ",
+          a.str(), ", b is ", b.str(), c ? ", c is " + c->str() : std::string(), ", out is ", out.str(),
+          ", expected equal element counts");
+  require(a.device() == out.device() && b.device() == out.device() && (!c || c->device() == out.device()), fn,
+          "a is on ", a.device().str(), ", b on ", b.device().str(), c ? ", c on " + c->device().str() : std::string(),
+          ", out on ", out.device().str(), ", expected one device");
 #ifdef EPX_HAVE_CUDA
-  if (out.device().is_cuda()) return cuda::add(a, b, out, stream);
+  if (out.device().is_cuda()) return c ? cuda::add(a, b, *c, out, stream) : cuda::add(a, b, out, stream);
 #endif
-  const int64_t n = a.numel();
-  std::vector<double> va(n), vb(n);
+  (void)stream;
+  const int64_t n = out.numel();
+  std::vector<double> va(n), vb(n), vc(c ? n : 0);
   load_row(a.data(), a.dtype(), 0, n, va.data());
   load_row(b.data(), b.dtype(), 0, n, vb.data());
+  if (c) load_row(c->data(), c->dtype(), 0, n, vc.data());
   if (out.dtype() == DType::kF64) {
-    for (int64_t i = 0; i < n; ++i) va[i] += vb[i];
+    for (int64_t i = 0; i < n; ++i) {
+      va[i] += vb[i];
+      if (c) va[i] += vc[i];
+    }
     store_row(out.data(), out.dtype(), 0, n, va.data());
   } else {
     std::vector<float> s(n);
-    for (int64_t i = 0; i < n; ++i) s[i] = static_cast<float>(va[i]) + static_cast<float>(vb[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = static_cast<float>(va[i]) + static_cast<float>(vb[i]);
+      if (c) s[i] += static_cast<float>(vc[i]);
+    }
     store_row(out.data(), out.dtype(), 0, n, s.data());
   }
+}
+
+}  // namespace
+
+void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream) {
+  const TensorRef* in[3] = {&a, &b, nullptr};
+  add_any(in, out, stream);
+}
+
+void add(const TensorRef& a, const TensorRef& b, const TensorRef& c, const TensorRef& out, Stream stream) {
+  const TensorRef* in[3] = {&a, &b, &c};
+  add_any(in, out, stream);
 }
 
 void fill_normal(const TensorRef& t, uint64_t seed, uint64_t stream_id, double stddev, int64_t first_index,

@@ -7,6 +7,8 @@ namespace epx::detail {
 
 /// out = round(a + b) elementwise; a, b, out have one element count, any float dtypes; out may alias a.
 void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream = {});
+/// out = round((a + b) + c), summed as add does (one pass over the four tensors).
+void add(const TensorRef& a, const TensorRef& b, const TensorRef& c, const TensorRef& out, Stream stream = {});
 /// t[i] = round(stddev * counter_normal(seed, stream_id, first_index + i)) on t's device: the
 /// same values on the CPU and the GPU (up to the last bit of the device's log/cos).
 void fill_normal(const TensorRef& t, uint64_t seed, uint64_t stream_id, double stddev, int64_t first_index = 0,

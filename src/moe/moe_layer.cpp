@@ -566,9 +566,9 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   if (c.dtype != gt) detail::cast(d_logits, d_logits_dt, stream);
   gemm(s.x, d_logits_dt, grads_.gate, true, false, acc, stream);
   gemm(d_logits_dt, params_.gate, d_x_acc, false, true, false, stream);
-  detail::add(d_x_acc, d_x_routed, d_x_acc, stream);
-  if (shared) detail::add(d_x_acc, s.d_x_shared, d_x_acc, stream);
-  detail::cast(d_x_acc, d_x, stream);
+  // d_x = round((gate's + routed) + shared) in one pass (no fp32 partial sums written back).
+  if (shared) detail::add(d_x_acc, d_x_routed, s.d_x_shared, d_x, stream);
+  else detail::add(d_x_acc, d_x_routed, d_x, stream);
   st.mark_main("bwd.route_gate");
   s.used_by_backward = true;
 }

@@ -39,6 +39,32 @@ TEST(Elementwise, AxpyRoundsOnceIntoTheDestination) {
   EXPECT_THROW(detail::axpy(1.0, x, z), Error);
 }
 
+// add(a, b, c) is add(add(a, b), c) through an fp32 partial sum: left to right, one rounding into
+// each fp32 step and one into out. Values chosen so that another order or an early bf16 rounding
+// gives other bits.
+TEST(Elementwise, ThreeOperandAddSumsLeftToRightInFp32) {
+  Tensor a = Tensor::full({3}, DType::kF32, 1.0), b = Tensor::full({3}, DType::kBF16, 0x1p-24),
+         c = Tensor::full({3}, DType::kBF16, 0x1p-24);
+  Tensor out = Tensor::empty({3}, DType::kF32), partial = Tensor::empty({3}, DType::kF32),
+         twice = Tensor::empty({3}, DType::kF32);
+  detail::add(a, b, c, out);
+  detail::add(a, b, partial);
+  detail::add(partial, c, twice);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(out.item(i), 1.0) << "(1 + 2^-24) + 2^-24 rounds to 1 at each step in fp32";
+    EXPECT_EQ(out.item(i), twice.item(i));
+  }
+  Tensor wide = Tensor::empty({3}, DType::kF64);
+  detail::add(a, b, c, wide);
+  EXPECT_EQ(wide.item(0), 1.0 + 0x1p-23) << "fp64 out sums in fp64";
+  Tensor bf = Tensor::empty({3}, DType::kBF16), x = Tensor::full({3}, DType::kF32, 1.0 + 0x1p-8),
+         y = Tensor::full({3}, DType::kF32, 0x1p-9);
+  detail::add(x, y, y, bf);
+  EXPECT_EQ(bf.item(0), round_to_dtype(1.0 + 0x1p-8 + 0x1p-8, DType::kBF16)) << "one rounding into bf16 at the end";
+  Tensor short_c = Tensor::empty({2}, DType::kF32);
+  EXPECT_THROW(detail::add(a, b, short_c, out), Error);
+}
+
 TEST(Elementwise, FillNormalIsTheCounterGenerator) {
   Tensor t = Tensor::empty({5, 7}, DType::kF32);
   detail::fill_normal(t, 42, 3, 0.5, 100);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <string>
 
 #include "epx/error.h"
 #include "epx/grouped_gemm.h"
@@ -57,6 +58,41 @@ TEST(DenseGpu, AddAndCastAreBitExact) {
   detail::cast(a, cw);
   detail::cast(to_gpu(a), cg);
   EXPECT_TRUE(bit_equal(cg, cw));
+}
+
+// Every fp32/bf16 mix of two and three operands and of casts, on the 8-wide path (1024 elements)
+// and on the generic one (1001 elements; and rows starting off a 32-byte boundary), against the host.
+TEST(DenseGpu, AddAndCastFastPathsAreBitExact) {
+  EPX_REQUIRE_GPU();
+  const DType types[2] = {DType::kF32, DType::kBF16};
+  for (int64_t n : {int64_t{1024}, int64_t{1001}}) {
+    for (int64_t skip : {int64_t{0}, int64_t{1}}) {
+      for (int mix = 0; mix < 16; ++mix) {
+        const DType ta = types[mix & 1], tb = types[(mix >> 1) & 1], tc = types[(mix >> 2) & 1],
+                    to = types[(mix >> 3) & 1];
+        SCOPED_TRACE("n " + std::to_string(n) + ", offset " + std::to_string(skip) + ", dtypes " +
+                     dtype_name(ta) + " " + dtype_name(tb) + " " + dtype_name(tc) + " -> " + dtype_name(to));
+        Tensor a = random({n + skip}, ta, 10 + mix), b = random({n + skip}, tb, 30 + mix),
+               c = random({n + skip}, tc, 50 + mix);
+        Tensor ga = to_gpu(a), gb = to_gpu(b), gc = to_gpu(c);
+        auto part = [&](const Tensor& t) { return t.ref().slice_rows(skip, n + skip); };
+        for (int operands = 1; operands <= 3; ++operands) {
+          Tensor want = Tensor::empty({n}, to), got = to_gpu(Tensor::full({n}, to, 9));
+          if (operands == 1) {
+            detail::cast(part(a), want);
+            detail::cast(part(ga), got);
+          } else if (operands == 2) {
+            detail::add(part(a), part(b), want);
+            detail::add(part(ga), part(gb), got);
+          } else {
+            detail::add(part(a), part(b), part(c), want);
+            detail::add(part(ga), part(gb), part(gc), got);
+          }
+          EXPECT_TRUE(bit_equal(got, want)) << operands << " operand(s)";
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

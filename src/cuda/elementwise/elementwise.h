@@ -7,6 +7,8 @@ namespace epx::cuda {
 
 /// out = round(a + b) computed in fp32 (fp64 if any side is fp64); equal element counts.
 void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream);
+/// out = round((a + b) + c), the same arithmetic.
+void add(const TensorRef& a, const TensorRef& b, const TensorRef& c, const TensorRef& out, Stream stream);
 /// dst = round(src).
 void cast(const TensorRef& src, const TensorRef& dst, Stream stream);
 /// t[i] = round(stddev * counter_normal(seed, stream_id, first_index + i)) (core/random.h).

@@ -17,7 +17,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <mutex>
@@ -107,9 +109,37 @@ __device__ __forceinline__ void act_grad(int f, float a0, float a1, float& v, fl
   }
 }
 
+// W consecutive bf16 of a row, moved as one access: W = 8 is a 16-byte load or store. The row
+// kernels below are memory bound, and one 2-byte access per thread keeps too few bytes in flight
+// to fill HBM (an H200 ran them at a quarter of its bandwidth that way).
+template <int W>
+struct alignas(2 * W) Bf16Lanes {
+  __nv_bfloat16 v[W];
+};
+
+template <int W>
+__device__ __forceinline__ Bf16Lanes<W> load_lanes(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const Bf16Lanes<W>*>(p);
+}
+
+template <int W>
+__device__ __forceinline__ void store_lanes(__nv_bfloat16* p, const Bf16Lanes<W>& x) {
+  *reinterpret_cast<Bf16Lanes<W>*>(p) = x;
+}
+
+template <int W>
+__device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
+  Bf16Lanes<W> z;
+#pragma unroll
+  for (int j = 0; j < W; ++j) z.v[j] = __float2bfloat16_rn(0.0f);
+  for (int64_t i = threadIdx.x * int64_t{W}; i < n; i += blockDim.x * int64_t{W}) store_lanes<W>(p + i, z);
+}
+
 // One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
 // bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
-// unrounded sum.
+// unrounded sum. Each thread takes W consecutive columns (F and H multiples of W, rows W-aligned);
+// every element's arithmetic is the same for any W.
+template <int W>
 __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
                                    __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
@@ -120,34 +150,50 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
     __nv_bfloat16* ar = a + r * P * F;
     __nv_bfloat16* hr = h + r * F;
     if (!real) {
-      for (int64_t i = threadIdx.x; i < P * F; i += blockDim.x) ar[i] = __float2bfloat16_rn(0.0f);
-      for (int64_t i = threadIdx.x; i < F; i += blockDim.x) hr[i] = __float2bfloat16_rn(0.0f);
-      for (int64_t i = threadIdx.x; i < H; i += blockDim.x) y[r * H + i] = __float2bfloat16_rn(0.0f);
+      zero_row<W>(ar, P * F);
+      zero_row<W>(hr, F);
+      zero_row<W>(y + r * H, H);
       continue;
     }
     const float w = row_weights ? row_weights[r] : 1.0f;
     const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
-    for (int64_t i = threadIdx.x; i < F; i += blockDim.x) {
-      float a0 = __bfloat162float(ar[i]);
-      float a1 = P == 2 ? __bfloat162float(ar[F + i]) : 0.0f;
+    for (int64_t i = threadIdx.x * int64_t{W}; i < F; i += blockDim.x * int64_t{W}) {
+      Bf16Lanes<W> x0 = load_lanes<W>(ar + i), x1 = x0, out;
+      if (P == 2) x1 = load_lanes<W>(ar + F + i);
+      Bf16Lanes<W> b0, b1;
       if (br) {
-        a0 += __bfloat162float(br[i]);
-        ar[i] = __float2bfloat16_rn(a0);
-        if (P == 2) {
-          a1 += __bfloat162float(br[F + i]);
-          ar[F + i] = __float2bfloat16_rn(a1);
-        }
+        b0 = load_lanes<W>(br + i);
+        if (P == 2) b1 = load_lanes<W>(br + F + i);
       }
-      float v = act_value(f, a0, a1);
-      if (row_weights) v *= w;
-      hr[i] = __float2bfloat16_rn(v);
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        float a0 = __bfloat162float(x0.v[j]);
+        float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
+        if (br) {
+          a0 += __bfloat162float(b0.v[j]);
+          x0.v[j] = __float2bfloat16_rn(a0);
+          if (P == 2) {
+            a1 += __bfloat162float(b1.v[j]);
+            x1.v[j] = __float2bfloat16_rn(a1);
+          }
+        }
+        float v = act_value(f, a0, a1);
+        if (row_weights) v *= w;
+        out.v[j] = __float2bfloat16_rn(v);
+      }
+      if (br) {
+        store_lanes<W>(ar + i, x0);
+        if (P == 2) store_lanes<W>(ar + F + i, x1);
+      }
+      store_lanes<W>(hr + i, out);
     }
   }
 }
 
 // One block per row: d_a from d_h and the saved a (d_a may alias a: each element is read before it
-// is written, by the same thread); the row-weight gradient by a fixed
-// block reduction; padding rows get d_row_weights 0 and d_a 0.
+// is written, by the same thread); the row-weight gradient by a fixed block reduction; padding rows
+// get d_row_weights 0 and d_a 0. W consecutive columns per thread, as in act_forward_kernel.
+template <int W>
 __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
                                     const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
                                     const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
@@ -158,23 +204,34 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
     const bool real = r < offsets[g] + rows[g];
     const float w = row_weights && real ? row_weights[r] : 1.0f;
     float dw = 0.0f;
-    for (int64_t i = threadIdx.x; i < F; i += blockDim.x) {
-      float d0 = 0.0f, d1 = 0.0f;
+    const __nv_bfloat16* ar = a + r * P * F;
+    __nv_bfloat16* dar = d_a + r * P * F;
+    for (int64_t i = threadIdx.x * int64_t{W}; i < F; i += blockDim.x * int64_t{W}) {
+      Bf16Lanes<W> o0, o1;
       if (real) {
-        const float a0 = __bfloat162float(a[r * P * F + i]);
-        const float a1 = P == 2 ? __bfloat162float(a[r * P * F + F + i]) : 0.0f;
-        float v, g0, g1;
-        act_grad(f, a0, a1, v, g0, g1);
-        float dact = __bfloat162float(d_h[r * F + i]);
-        if (row_weights) {
-          dw = fmaf(dact, v, dw);
-          dact *= w;
+        const Bf16Lanes<W> x0 = load_lanes<W>(ar + i), dh = load_lanes<W>(d_h + r * F + i);
+        Bf16Lanes<W> x1 = x0;
+        if (P == 2) x1 = load_lanes<W>(ar + F + i);
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const float a0 = __bfloat162float(x0.v[j]);
+          const float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
+          float v, g0, g1;
+          act_grad(f, a0, a1, v, g0, g1);
+          float dact = __bfloat162float(dh.v[j]);
+          if (row_weights) {
+            dw = fmaf(dact, v, dw);
+            dact *= w;
+          }
+          o0.v[j] = __float2bfloat16_rn(dact * g0);
+          o1.v[j] = __float2bfloat16_rn(dact * g1);
         }
-        d0 = dact * g0;
-        d1 = dact * g1;
+      } else {
+#pragma unroll
+        for (int j = 0; j < W; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
       }
-      d_a[r * P * F + i] = __float2bfloat16_rn(d0);
-      if (P == 2) d_a[r * P * F + F + i] = __float2bfloat16_rn(d1);
+      store_lanes<W>(dar + i, o0);
+      if (P == 2) store_lanes<W>(dar + F + i, o1);
     }
     if (d_row_weights) {
       for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
@@ -287,6 +344,47 @@ T* scratch(int slot, size_t elems) {
 
 int row_grid(int64_t rows) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * 16))); }
 
+// 16-byte accesses where every row start allows them (null pointers are not read).
+bool rows_take_16_bytes(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> row_elems) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  for (int64_t n : row_elems)
+    if (n % 8 != 0) return false;
+  return true;
+}
+
+void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, int64_t F, int64_t H, int G,
+                 cudaStream_t s) {
+  const int32_t* off = t.offsets.ptr<int32_t>();
+  const int32_t* rows = t.rows.ptr<int32_t>();
+  const float* w = c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr;
+  const __nv_bfloat16* b_in = bias_of(t.b_in);
+  auto* a = static_cast<__nv_bfloat16*>(t.a.data());
+  auto* h = static_cast<__nv_bfloat16*>(t.h.data());
+  auto* y = static_cast<__nv_bfloat16*>(t.y.data());
+  const int f = static_cast<int>(c.activation), p = static_cast<int>(P);
+  if (rows_take_16_bytes({a, h, y, b_in}, {F, H}))
+    act_forward_kernel<8><<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
+  else
+    act_forward_kernel<1><<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
+  EPX_CHECK_LAUNCH("act_forward_kernel");
+}
+
+void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, const __nv_bfloat16* d_h,
+                  __nv_bfloat16* d_a, int64_t R, int64_t P, int64_t F, int G, cudaStream_t s) {
+  const int32_t* off = t.offsets.ptr<int32_t>();
+  const int32_t* rows = t.rows.ptr<int32_t>();
+  const float* w = c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr;
+  float* d_w = c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr;
+  const auto* a = static_cast<const __nv_bfloat16*>(t.a.data());
+  const int f = static_cast<int>(c.activation), p = static_cast<int>(P);
+  if (rows_take_16_bytes({a, d_h, d_a}, {F}))
+    act_backward_kernel<8><<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
+  else
+    act_backward_kernel<1><<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
+  EPX_CHECK_LAUNCH("act_backward_kernel");
+}
+
 void require_grouped_gemm(const char* fn) {
   require_status(grouped_gemm_available(), Status::kNotSupported, fn,
                  "this build has no GPU grouped GEMM (CUTLASS headers were not found at configure time)");
@@ -357,12 +455,7 @@ static void fp8_block_forward(const MlpConfig& c, const MlpTensors& t, Stream st
   detail::phase_mark(stream, "fc1");
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
-      static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, static_cast<int>(G),
-      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, bias_of(t.b_in),
-      static_cast<__nv_bfloat16*>(t.a.data()), static_cast<__nv_bfloat16*>(t.h.data()),
-      static_cast<__nv_bfloat16*>(t.y.data()));
-  EPX_CHECK_LAUNCH("act_forward_kernel");
+  act_forward(c, t, R, P, F, H, static_cast<int>(G), to_cuda(stream));
   detail::phase_mark(stream, "act");
   const TensorRef h_q = in_scratch(9, DType::kF8E4M3, {R, F}), h_s = in_scratch(10, DType::kF32, {R, F / 128});
   quantize(QuantRecipe::kFp8Block1x128, ref_of(t.h.data(), DType::kBF16, {R, F}), h_q, h_s, QuantOptions{}, stream);
@@ -383,12 +476,7 @@ static void bf16_forward(const MlpConfig& c, const MlpTensors& t, const void* x,
   grouped_forward_bf16({x, H, 0}, {w_in, P * F, H * P * F}, t.a.data(), P * F, H, P * F, off, rows, G, R, stream,
                        t.row_align);
   detail::phase_mark(stream, "fc1");
-  act_forward_kernel<<<row_grid(R), 256, 0, to_cuda(stream)>>>(
-      static_cast<int>(c.activation), static_cast<int>(P), F, H, R, off, rows, G,
-      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, bias_of(t.b_in),
-      static_cast<__nv_bfloat16*>(t.a.data()), static_cast<__nv_bfloat16*>(t.h.data()),
-      static_cast<__nv_bfloat16*>(t.y.data()));
-  EPX_CHECK_LAUNCH("act_forward_kernel");
+  act_forward(c, t, R, P, F, H, G, to_cuda(stream));
   detail::phase_mark(stream, "act");
   grouped_forward_bf16({fc2_input(), F, 0}, {w_out, H, F * H}, t.y.data(), H, F, H, off, rows, G, R, stream,
                        t.row_align);
@@ -497,11 +585,7 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   grouped_dgrad_bf16({d.d_y.data(), H, 0}, {t.w_out.data(), H, F * H}, d_h, F, H, F, off, rows, G, R, stream,
                      t.row_align);
   detail::phase_mark(stream, "dgrad_fc2");
-  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(
-      static_cast<int>(c.activation), static_cast<int>(P), F, R, off, rows, G,
-      c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr, static_cast<const __nv_bfloat16*>(t.a.data()), d_h,
-      d_a, c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr);
-  EPX_CHECK_LAUNCH("act_backward_kernel");
+  act_backward(c, t, d, d_h, d_a, R, P, F, G, s);
   if (t.b_in.defined()) group_column_sums(d_a, PF, PF, off, rows, G, c.accumulate_weight_grads, d.d_b_in, s);
   detail::phase_mark(stream, "act");
   // d_x [rows, H] = d_a [rows, P*F] . w_in_g^T, w_in_g [H, P*F] row-major.
