@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <cstdint>
 #include <functional>
-#include <initializer_list>
 #include <map>
 #include <string>
 #include <mutex>
@@ -55,7 +54,10 @@ const __nv_bfloat16* bias_of(const TensorRef& b) {
   return b.defined() ? static_cast<const __nv_bfloat16*>(b.data()) : nullptr;
 }
 
-__device__ __forceinline__ float silu(float z) { return z / (1.0f + expf(-z)); }
+// The activations are compute-heavy next to their memory traffic: the fast exponential (a few
+// ulp of fp32, far under the bf16 rounding of the result) and a correctly rounded reciprocal.
+__device__ __forceinline__ float sigmoid(float z) { return __frcp_rn(1.0f + __expf(-z)); }
+__device__ __forceinline__ float silu(float z) { return z * sigmoid(z); }
 __device__ __forceinline__ float gelu_tanh(float z) {
   return 0.5f * z * (1.0f + tanhf(0.7978845608028654f * (z + 0.044715f * z * z * z)));
 }
@@ -76,7 +78,7 @@ __device__ __forceinline__ float act_value(int f, float a0, float a1) {
 __device__ __forceinline__ void act_grad(int f, float a0, float a1, float& v, float& d0, float& d1) {
   switch (f) {
     case 0: {
-      const float s = 1.0f / (1.0f + expf(-a0));
+      const float s = sigmoid(a0);
       const float g = a0 * s;
       v = g * a1;
       d0 = a1 * s * (1.0f + a0 * (1.0f - s));
@@ -137,9 +139,10 @@ __device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
 
 // One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
 // bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
-// unrounded sum. Each thread takes W consecutive columns (F and H multiples of W, rows W-aligned);
-// every element's arithmetic is the same for any W.
-template <int W>
+// unrounded sum. Each thread takes kActLanes consecutive columns (F and H multiples of it, rows
+// 16-byte aligned: what the grouped GEMMs' TMA needs too).
+constexpr int kActLanes = 8;
+
 __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
                                    __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
@@ -150,23 +153,23 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
     __nv_bfloat16* ar = a + r * P * F;
     __nv_bfloat16* hr = h + r * F;
     if (!real) {
-      zero_row<W>(ar, P * F);
-      zero_row<W>(hr, F);
-      zero_row<W>(y + r * H, H);
+      zero_row<kActLanes>(ar, P * F);
+      zero_row<kActLanes>(hr, F);
+      zero_row<kActLanes>(y + r * H, H);
       continue;
     }
     const float w = row_weights ? row_weights[r] : 1.0f;
     const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
-    for (int64_t i = threadIdx.x * int64_t{W}; i < F; i += blockDim.x * int64_t{W}) {
-      Bf16Lanes<W> x0 = load_lanes<W>(ar + i), x1 = x0, out;
-      if (P == 2) x1 = load_lanes<W>(ar + F + i);
-      Bf16Lanes<W> b0, b1;
+    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
+      Bf16Lanes<kActLanes> x0 = load_lanes<kActLanes>(ar + i), x1 = x0, out;
+      if (P == 2) x1 = load_lanes<kActLanes>(ar + F + i);
+      Bf16Lanes<kActLanes> b0, b1;
       if (br) {
-        b0 = load_lanes<W>(br + i);
-        if (P == 2) b1 = load_lanes<W>(br + F + i);
+        b0 = load_lanes<kActLanes>(br + i);
+        if (P == 2) b1 = load_lanes<kActLanes>(br + F + i);
       }
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
+      for (int j = 0; j < kActLanes; ++j) {
         float a0 = __bfloat162float(x0.v[j]);
         float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
         if (br) {
@@ -182,18 +185,17 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
         out.v[j] = __float2bfloat16_rn(v);
       }
       if (br) {
-        store_lanes<W>(ar + i, x0);
-        if (P == 2) store_lanes<W>(ar + F + i, x1);
+        store_lanes<kActLanes>(ar + i, x0);
+        if (P == 2) store_lanes<kActLanes>(ar + F + i, x1);
       }
-      store_lanes<W>(hr + i, out);
+      store_lanes<kActLanes>(hr + i, out);
     }
   }
 }
 
 // One block per row: d_a from d_h and the saved a (d_a may alias a: each element is read before it
 // is written, by the same thread); the row-weight gradient by a fixed block reduction; padding rows
-// get d_row_weights 0 and d_a 0. W consecutive columns per thread, as in act_forward_kernel.
-template <int W>
+// get d_row_weights 0 and d_a 0. kActLanes consecutive columns per thread, as in act_forward_kernel.
 __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
                                     const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
                                     const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
@@ -206,14 +208,14 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
     float dw = 0.0f;
     const __nv_bfloat16* ar = a + r * P * F;
     __nv_bfloat16* dar = d_a + r * P * F;
-    for (int64_t i = threadIdx.x * int64_t{W}; i < F; i += blockDim.x * int64_t{W}) {
-      Bf16Lanes<W> o0, o1;
+    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
+      Bf16Lanes<kActLanes> o0, o1;
       if (real) {
-        const Bf16Lanes<W> x0 = load_lanes<W>(ar + i), dh = load_lanes<W>(d_h + r * F + i);
-        Bf16Lanes<W> x1 = x0;
-        if (P == 2) x1 = load_lanes<W>(ar + F + i);
+        const Bf16Lanes<kActLanes> x0 = load_lanes<kActLanes>(ar + i), dh = load_lanes<kActLanes>(d_h + r * F + i);
+        Bf16Lanes<kActLanes> x1 = x0;
+        if (P == 2) x1 = load_lanes<kActLanes>(ar + F + i);
 #pragma unroll
-        for (int j = 0; j < W; ++j) {
+        for (int j = 0; j < kActLanes; ++j) {
           const float a0 = __bfloat162float(x0.v[j]);
           const float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
           float v, g0, g1;
@@ -228,10 +230,10 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < W; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
+        for (int j = 0; j < kActLanes; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
       }
-      store_lanes<W>(dar + i, o0);
-      if (P == 2) store_lanes<W>(dar + F + i, o1);
+      store_lanes<kActLanes>(dar + i, o0);
+      if (P == 2) store_lanes<kActLanes>(dar + F + i, o1);
     }
     if (d_row_weights) {
       for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
@@ -344,13 +346,10 @@ T* scratch(int slot, size_t elems) {
 
 int row_grid(int64_t rows) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * 16))); }
 
-// 16-byte accesses where every row start allows them (null pointers are not read).
-bool rows_take_16_bytes(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> row_elems) {
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  for (int64_t n : row_elems)
-    if (n % 8 != 0) return false;
-  return true;
+// The activation kernels' 16-byte accesses need every row to start on a 16-byte boundary.
+void require_16_byte_rows(const char* what, const void* p) {
+  require(reinterpret_cast<uintptr_t>(p) % 16 == 0, "epx::expert_mlp", what, " starts at ", p,
+          ", expected a 16-byte aligned address on the GPU (16-byte rows for the vector accesses and TMA)");
 }
 
 void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, int64_t F, int64_t H, int G,
@@ -363,10 +362,11 @@ void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, 
   auto* h = static_cast<__nv_bfloat16*>(t.h.data());
   auto* y = static_cast<__nv_bfloat16*>(t.y.data());
   const int f = static_cast<int>(c.activation), p = static_cast<int>(P);
-  if (rows_take_16_bytes({a, h, y, b_in}, {F, H}))
-    act_forward_kernel<8><<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
-  else
-    act_forward_kernel<1><<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
+  require_16_byte_rows("a", a);
+  require_16_byte_rows("h", h);
+  require_16_byte_rows("y", y);
+  require_16_byte_rows("b_in", b_in);
+  act_forward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
   EPX_CHECK_LAUNCH("act_forward_kernel");
 }
 
@@ -378,10 +378,10 @@ void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, co
   float* d_w = c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr;
   const auto* a = static_cast<const __nv_bfloat16*>(t.a.data());
   const int f = static_cast<int>(c.activation), p = static_cast<int>(P);
-  if (rows_take_16_bytes({a, d_h, d_a}, {F}))
-    act_backward_kernel<8><<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
-  else
-    act_backward_kernel<1><<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
+  require_16_byte_rows("a", a);
+  require_16_byte_rows("d_h", d_h);
+  require_16_byte_rows("d_a", d_a);
+  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
   EPX_CHECK_LAUNCH("act_backward_kernel");
 }
 
