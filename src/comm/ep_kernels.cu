@@ -52,7 +52,10 @@ class BarrierLink final : public Link {
  public:
   bool device_barriers() const override { return true; }
   int64_t row_stride(const DeviceGroup& g, int64_t) const override { return static_cast<int64_t>(g.layout.row_bytes); }
-  size_t reduce_chunk_bytes(const DeviceGroup&) const override { return WindowLayout::kReduceBytes; }
+  // Large sums go through the rows regions (small ones stay in one launch on the reduce region).
+  size_t reduce_chunk_bytes(const DeviceGroup& g) const override {
+    return static_cast<size_t>(g.layout.max_tokens) * g.layout.row_bytes;
+  }
   void before_write(const DeviceGroup& g, int op_code, cudaStream_t stream) override { barrier(g, op_code, stream); }
   void deliver(const DeviceGroup& g, const Delivery& d, cudaStream_t stream) override { barrier(g, d.op_code, stream); }
 };
@@ -338,8 +341,28 @@ __global__ void all_reduce_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t 
   }
 }
 
-// Staged: the chunk of every peer sits at the start of its rows region of the receive area; this
-// rank's own chunk is still in the buffer. Same order as above: acc = 0, + rank 0, 1, ...
+// Zero-copy, a buffer larger than the reduce region: this rank's chunk into its rows region of
+// every peer's window (where the staged exchange delivers it too), 16 bytes at a time where aligned.
+template <bool kVec>
+__global__ void send_chunk_kernel(DeviceGroup g, const char* chunk, int64_t bytes) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int d = 0; d < g.R; ++d) {
+    if (d == g.rank) continue;
+    char* dst = g.peer_window[d] + g.layout.row_offset(g.rank, 0);
+    int64_t done = 0;
+    if (kVec) {
+      done = bytes / 16 * 16;
+      for (int64_t i = first; i < bytes / 16; i += step)
+        reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(chunk)[i];
+    }
+    for (int64_t i = done + first; i < bytes; i += step) dst[i] = chunk[i];
+  }
+}
+
+// Staged, and zero-copy past the reduce region: the chunk of every peer sits at the start of its
+// rows region of the receive area (the window); this rank's own chunk is still in the buffer. Same
+// order as above: acc = 0, + rank 0, 1, ...
 template <class F>
 __global__ void sum_chunks_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -611,21 +634,32 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
 void all_reduce(const DeviceGroup& g, Link& link, const TensorRef& buffer, Stream stream) {
   cudaStream_t s = cuda::to_cuda(stream);
   const size_t es = dtype_size(buffer.dtype());
+  const bool f64 = buffer.dtype() == DType::kF64;
+  // Zero-copy, up to the reduce region (the router statistics): one launch, the barriers inside.
+  if (link.device_barriers() && static_cast<size_t>(buffer.numel()) * es <= WindowLayout::kReduceBytes) {
+    if (f64) all_reduce_kernel<double><<<1, 512, 0, s>>>(g, buffer.ptr<double>(), 0, buffer.numel());
+    else all_reduce_kernel<float><<<1, 512, 0, s>>>(g, buffer.ptr<float>(), 0, buffer.numel());
+    EPX_CHECK_LAUNCH("all_reduce_kernel");
+    return;
+  }
+  // Larger (gradients): rows-region-sized chunks, written by every SM the budget allows.
   const int64_t chunk = static_cast<int64_t>(link.reduce_chunk_bytes(g) / es);
   const int64_t rounds = std::max<int64_t>(1, (buffer.numel() + chunk - 1) / chunk);
-  const bool f64 = buffer.dtype() == DType::kF64;
   for (int64_t r = 0; r < rounds; ++r) {
     const int64_t begin = r * chunk, n = std::max<int64_t>(0, std::min<int64_t>(chunk, buffer.numel() - begin));
-    if (link.device_barriers()) {  // one launch per chunk, the barriers inside
-      if (f64) all_reduce_kernel<double><<<1, 512, 0, s>>>(g, buffer.ptr<double>(), begin, n);
-      else all_reduce_kernel<float><<<1, 512, 0, s>>>(g, buffer.ptr<float>(), begin, n);
-      EPX_CHECK_LAUNCH("all_reduce_kernel");
-      continue;
-    }
+    const char* bytes = static_cast<const char*>(buffer.data()) + begin * static_cast<int64_t>(es);
     link.before_write(g, kOpReduce, s);
+    if (link.device_barriers() && n > 0) {
+      const int64_t nb = n * static_cast<int64_t>(es);
+      const int grid =
+          static_cast<int>(std::min<int64_t>((nb / 16 + 255) / 256 + 1, budget_blocks(g, cuda::sm_count() * 4)));
+      if (aligned16(bytes)) send_chunk_kernel<true><<<grid, 256, 0, s>>>(g, bytes, nb);
+      else send_chunk_kernel<false><<<grid, 256, 0, s>>>(g, bytes, nb);
+      EPX_CHECK_LAUNCH("send_chunk_kernel");
+    }
     Delivery d;
     d.op_code = kOpReduce;
-    d.chunk = static_cast<const char*>(buffer.data()) + begin * static_cast<int64_t>(es);
+    d.chunk = bytes;
     d.chunk_bytes = static_cast<size_t>(n) * es;
     link.deliver(g, d, s);
     if (n == 0) continue;

@@ -136,8 +136,9 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
                  const TensorRef& d_row_weights, Stream stream);
 
 /// Sum of an fp32/fp64 buffer over the group in rank order (acc = 0, then + rank 0, 1, ...).
-/// Zero-copy: through the windows' reduce regions. Staged: chunks delivered to the rows regions of
-/// the receive area and summed there (this rank's own values read from the buffer itself).
+/// Zero-copy: a buffer that fits the windows' reduce regions in one launch; a larger one, and every
+/// buffer on the staged transport, in chunks of a rows region, delivered to the rows regions of the
+/// peers' windows (receive areas) and summed there (this rank's own values read from the buffer).
 void all_reduce(const DeviceGroup& g, Link& link, const TensorRef& buffer, Stream stream);
 
 }  // namespace epx::comm

@@ -7,7 +7,7 @@
 //   meta   [R][max_tokens][max_topk] RowMeta  per received token and slot: local expert, position, weight
 //   rows   [R][max_tokens][row_bytes]  token rows (dispatch, combine_backward) or partial sums
 //                                       travelling back (combine, dispatch_backward)
-//   reduce [R][kReduceBytes]            all_reduce_sum chunks
+//   reduce [R][kReduceBytes]            all_reduce_sum of small buffers (larger ones use rows)
 #pragma once
 
 #include <cstddef>

@@ -61,7 +61,8 @@ TEST(DenseGpu, AddAndCastAreBitExact) {
 }
 
 // Every fp32/bf16 mix of two and three operands and of casts, on the 8-wide path (1024 elements)
-// and on the generic one (1001 elements; and rows starting off a 32-byte boundary), against the host.
+// and on the generic one (1001 elements; and rows starting off a 32-byte boundary), against the host;
+// axpy likewise.
 TEST(DenseGpu, AddAndCastFastPathsAreBitExact) {
   EPX_REQUIRE_GPU();
   const DType types[2] = {DType::kF32, DType::kBF16};
@@ -90,6 +91,10 @@ TEST(DenseGpu, AddAndCastFastPathsAreBitExact) {
           }
           EXPECT_TRUE(bit_equal(got, want)) << operands << " operand(s)";
         }
+        Tensor y = random({n + skip}, to, 70 + mix), gy = to_gpu(y);
+        detail::axpy(-0.37, part(a), part(y));
+        detail::axpy(-0.37, part(ga), part(gy));
+        EXPECT_TRUE(bit_equal(gy, y)) << "axpy";
       }
     }
   }

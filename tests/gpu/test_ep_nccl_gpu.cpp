@@ -188,8 +188,9 @@ TEST_P(EpNcclGpu, AllReduceSumsInRankOrder) {
   EpCase c = base_case();
   auto groups = make(c);
   detail::HostBarrier bar(c.ranks);
-  // 40000 floats: several chunks of the zero-copy reduce region; 1 and 0 elements: edge cases.
-  for (int64_t n : {int64_t{40000}, int64_t{1}, int64_t{0}}) {
+  // 40000 floats: more than the zero-copy reduce region; 2^20 + 3: several rows-region chunks,
+  // the last one short; 1 and 0 elements: edge cases.
+  for (int64_t n : {int64_t{40000}, int64_t{1 << 20} + 3, int64_t{1}, int64_t{0}}) {
     SCOPED_TRACE(detail::concat("n = ", n));
     run_ranks(groups, [&](Group& g) { testing::check_all_reduce(g, n, [&] { bar.wait(); }); });
   }

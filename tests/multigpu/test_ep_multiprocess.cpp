@@ -142,7 +142,7 @@ TEST_P(EpMultiProcess, QuantizedDispatchMatchesReference) {
 TEST_P(EpMultiProcess, AllReduceSumsInRankOrder) {
   EPX_REQUIRE_LAUNCHER();
   Group& g = group(base());
-  for (int64_t n : {int64_t{40000}, int64_t{1}, int64_t{0}}) {
+  for (int64_t n : {int64_t{40000}, int64_t{1 << 20} + 3, int64_t{1}, int64_t{0}}) {
     SCOPED_TRACE(detail::concat("n = ", n));
     testing::check_all_reduce(g, n, no_sync);
   }
