@@ -23,6 +23,22 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+/// W consecutive elements moved as one access (up to 16 bytes; wider ones split into 16-byte
+/// accesses): memory-bound kernels keep more bytes in flight per thread this way. The address
+/// must be aligned to the whole width.
+template <class T, int W>
+struct alignas(W * sizeof(T)) Lanes {
+  T v[W];
+};
+template <class T, int W>
+__device__ __forceinline__ Lanes<T, W> load_lanes(const T* p) {
+  return *reinterpret_cast<const Lanes<T, W>*>(p);
+}
+template <class T, int W>
+__device__ __forceinline__ void store_lanes(T* p, const Lanes<T, W>& x) {
+  *reinterpret_cast<Lanes<T, W>*>(p) = x;
+}
+
 /// Saturating RNE conversion to e4m3 (cvt.rn.satfinite.e4m3x2.f32): NaN -> 0x7F, +-inf -> +-448.
 __device__ __forceinline__ uint8_t float_to_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));

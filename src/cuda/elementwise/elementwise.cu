@@ -51,21 +51,8 @@ __global__ void add_kernel(const void* a, int ca, const void* b, int cb, const v
 // access per operand (32 or 16 bytes), the same fp32 arithmetic as the generic kernels, so the
 // same bits. The generic kernels move 2 to 4 bytes per access and reach a third of HBM bandwidth.
 template <typename T>
-struct alignas(8 * sizeof(T)) Lanes8 {
-  T v[8];
-};
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-template <typename T>
 __device__ __forceinline__ void add_lanes(const void* p, int64_t i, float (&s)[8], bool first) {
-  const Lanes8<T> x = static_cast<const Lanes8<T>*>(p)[i];
+  const Lanes<T, 8> x = static_cast<const Lanes<T, 8>*>(p)[i];
 #pragma unroll
   for (int j = 0; j < 8; ++j) s[j] = first ? to_float(x.v[j]) : s[j] + to_float(x.v[j]);
 }
@@ -79,10 +66,10 @@ __global__ void sum_lanes_kernel(const void* in0, const void* in1, const void* i
     add_lanes<T0>(in0, i, s, true);
     if constexpr (N > 1) add_lanes<T1>(in1, i, s, false);
     if constexpr (N > 2) add_lanes<T2>(in2, i, s, false);
-    Lanes8<TO> o;
+    Lanes<TO, 8> o;
 #pragma unroll
     for (int j = 0; j < 8; ++j) o.v[j] = from_float<TO>(s[j]);
-    static_cast<Lanes8<TO>*>(out)[i] = o;
+    static_cast<Lanes<TO, 8>*>(out)[i] = o;
   }
 }
 
@@ -156,14 +143,14 @@ template <typename TX, typename TY>
 __global__ void axpy_lanes_kernel(double alpha, const void* x, void* y, int64_t n8) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const Lanes8<TX> xv = static_cast<const Lanes8<TX>*>(x)[i];
-    Lanes8<TY> yv = static_cast<Lanes8<TY>*>(y)[i];
+    const Lanes<TX, 8> xv = static_cast<const Lanes<TX, 8>*>(x)[i];
+    Lanes<TY, 8> yv = static_cast<Lanes<TY, 8>*>(y)[i];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const double v = static_cast<double>(to_float(yv.v[j])) + alpha * static_cast<double>(to_float(xv.v[j]));
       yv.v[j] = from_float<TY>(static_cast<float>(v));
     }
-    static_cast<Lanes8<TY>*>(y)[i] = yv;
+    static_cast<Lanes<TY, 8>*>(y)[i] = yv;
   }
 }
 

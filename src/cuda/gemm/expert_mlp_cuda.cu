@@ -111,38 +111,25 @@ __device__ __forceinline__ void act_grad(int f, float a0, float a1, float& v, fl
   }
 }
 
-// W consecutive bf16 of a row, moved as one access: W = 8 is a 16-byte load or store. The row
-// kernels below are memory bound, and one 2-byte access per thread keeps too few bytes in flight
-// to fill HBM (an H200 ran them at a quarter of its bandwidth that way).
-template <int W>
-struct alignas(2 * W) Bf16Lanes {
-  __nv_bfloat16 v[W];
-};
+// The row kernels below are memory bound, and one 2-byte access per thread keeps too few bytes
+// in flight to fill HBM (an H200 ran them at a quarter of its bandwidth that way): each thread
+// moves kActLanes bf16 (16 bytes) at a time.
+constexpr int kActLanes = 8;
+using ActLanes = Lanes<__nv_bfloat16, kActLanes>;
+__device__ __forceinline__ ActLanes load_act(const __nv_bfloat16* p) { return load_lanes<__nv_bfloat16, kActLanes>(p); }
 
-template <int W>
-__device__ __forceinline__ Bf16Lanes<W> load_lanes(const __nv_bfloat16* p) {
-  return *reinterpret_cast<const Bf16Lanes<W>*>(p);
-}
-
-template <int W>
-__device__ __forceinline__ void store_lanes(__nv_bfloat16* p, const Bf16Lanes<W>& x) {
-  *reinterpret_cast<Bf16Lanes<W>*>(p) = x;
-}
-
-template <int W>
 __device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
-  Bf16Lanes<W> z;
+  ActLanes z;
 #pragma unroll
-  for (int j = 0; j < W; ++j) z.v[j] = __float2bfloat16_rn(0.0f);
-  for (int64_t i = threadIdx.x * int64_t{W}; i < n; i += blockDim.x * int64_t{W}) store_lanes<W>(p + i, z);
+  for (int j = 0; j < kActLanes; ++j) z.v[j] = __float2bfloat16_rn(0.0f);
+  for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < n; i += blockDim.x * int64_t{kActLanes})
+    store_lanes(p + i, z);
 }
 
 // One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
 // bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
 // unrounded sum. Each thread takes kActLanes consecutive columns (F and H multiples of it, rows
 // 16-byte aligned: what the grouped GEMMs' TMA needs too).
-constexpr int kActLanes = 8;
-
 __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
                                    __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
@@ -153,20 +140,20 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
     __nv_bfloat16* ar = a + r * P * F;
     __nv_bfloat16* hr = h + r * F;
     if (!real) {
-      zero_row<kActLanes>(ar, P * F);
-      zero_row<kActLanes>(hr, F);
-      zero_row<kActLanes>(y + r * H, H);
+      zero_row(ar, P * F);
+      zero_row(hr, F);
+      zero_row(y + r * H, H);
       continue;
     }
     const float w = row_weights ? row_weights[r] : 1.0f;
     const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
     for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      Bf16Lanes<kActLanes> x0 = load_lanes<kActLanes>(ar + i), x1 = x0, out;
-      if (P == 2) x1 = load_lanes<kActLanes>(ar + F + i);
-      Bf16Lanes<kActLanes> b0, b1;
+      ActLanes x0 = load_act(ar + i), x1 = x0, out;
+      if (P == 2) x1 = load_act(ar + F + i);
+      ActLanes b0, b1;
       if (br) {
-        b0 = load_lanes<kActLanes>(br + i);
-        if (P == 2) b1 = load_lanes<kActLanes>(br + F + i);
+        b0 = load_act(br + i);
+        if (P == 2) b1 = load_act(br + F + i);
       }
 #pragma unroll
       for (int j = 0; j < kActLanes; ++j) {
@@ -185,10 +172,10 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
         out.v[j] = __float2bfloat16_rn(v);
       }
       if (br) {
-        store_lanes<kActLanes>(ar + i, x0);
-        if (P == 2) store_lanes<kActLanes>(ar + F + i, x1);
+        store_lanes(ar + i, x0);
+        if (P == 2) store_lanes(ar + F + i, x1);
       }
-      store_lanes<kActLanes>(hr + i, out);
+      store_lanes(hr + i, out);
     }
   }
 }
@@ -209,11 +196,11 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
     const __nv_bfloat16* ar = a + r * P * F;
     __nv_bfloat16* dar = d_a + r * P * F;
     for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      Bf16Lanes<kActLanes> o0, o1;
+      ActLanes o0, o1;
       if (real) {
-        const Bf16Lanes<kActLanes> x0 = load_lanes<kActLanes>(ar + i), dh = load_lanes<kActLanes>(d_h + r * F + i);
-        Bf16Lanes<kActLanes> x1 = x0;
-        if (P == 2) x1 = load_lanes<kActLanes>(ar + F + i);
+        const ActLanes x0 = load_act(ar + i), dh = load_act(d_h + r * F + i);
+        ActLanes x1 = x0;
+        if (P == 2) x1 = load_act(ar + F + i);
 #pragma unroll
         for (int j = 0; j < kActLanes; ++j) {
           const float a0 = __bfloat162float(x0.v[j]);
@@ -232,8 +219,8 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
 #pragma unroll
         for (int j = 0; j < kActLanes; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
       }
-      store_lanes<kActLanes>(dar + i, o0);
-      if (P == 2) store_lanes<kActLanes>(dar + F + i, o1);
+      store_lanes(dar + i, o0);
+      if (P == 2) store_lanes(dar + F + i, o1);
     }
     if (d_row_weights) {
       for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
