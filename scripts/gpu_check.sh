@@ -6,7 +6,7 @@
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [forward]
 #                            [epbench] [eptrace]
-#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench]
+#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench] [pack]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -27,6 +27,7 @@
 # the op's launch).
 # eptrace (2+ GPUs) traces bench_ep at EPTRACE_TOKENS tokens (default 128) with Nsight Systems and
 # writes per-kernel and timeline CSVs (eptrace_*.csv).
+# pack (last) leaves one archive of everything under $OUT, results.tgz.
 # pipeline benches the layer's chunked pipeline and communication overlap (PIPELINES, see the step).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
@@ -390,3 +391,8 @@ if has jaxbench; then
   cat "$OUT/jax_moe.jsonl"
 fi
 cat "$OUT/summary.txt"
+if has pack; then
+  # Everything under $OUT in one archive, results.tgz (for runners that copy back only a few files).
+  (cd "$OUT" && tar czf /tmp/epx-results.tgz --exclude=results.tgz . && find . -mindepth 1 -delete &&
+    mv /tmp/epx-results.tgz results.tgz)
+fi
