@@ -154,6 +154,47 @@ __global__ void axpy_lanes_kernel(double alpha, const void* x, void* y, int64_t 
   }
 }
 
+// Where add, cast and axpy take their 8-wide path: fp32 or bf16, 32-byte aligned.
+bool takes_lanes(const TensorRef& t) {
+  return (t.dtype() == DType::kF32 || t.dtype() == DType::kBF16) && reinterpret_cast<uintptr_t>(t.data()) % 32 == 0;
+}
+
+// The fast path's launch: picks each operand's type from its dtype (fp32 or bf16), padding the
+// unused inputs with float.
+template <int N, typename TO, typename... Ts>
+void launch_sum_lanes(const TensorRef* const in[3], const TensorRef& out, int64_t n8, cudaStream_t s) {
+  if constexpr (sizeof...(Ts) == 3) {
+    sum_lanes_kernel<N, TO, Ts...><<<grid_for(n8), 256, 0, s>>>(in[0]->data(), N > 1 ? in[1]->data() : nullptr,
+                                                               N > 2 ? in[2]->data() : nullptr, out.data(), n8);
+    EPX_CHECK_LAUNCH("sum_lanes_kernel");
+  } else if constexpr (sizeof...(Ts) >= N) {
+    launch_sum_lanes<N, TO, Ts..., float>(in, out, n8, s);
+  } else if (in[sizeof...(Ts)]->dtype() == DType::kF32) {
+    launch_sum_lanes<N, TO, Ts..., float>(in, out, n8, s);
+  } else {
+    launch_sum_lanes<N, TO, Ts..., __nv_bfloat16>(in, out, n8, s);
+  }
+}
+
+template <int N>
+void launch_sum_lanes_into(const TensorRef* const in[3], const TensorRef& out, int64_t n8, cudaStream_t s) {
+  if (out.dtype() == DType::kF32) launch_sum_lanes<N, float>(in, out, n8, s);
+  else launch_sum_lanes<N, __nv_bfloat16>(in, out, n8, s);
+}
+
+// out = in[0] + ... + in[count-1] (count 1..3) on the fast path, where every dtype is fp32 or bf16,
+// the element count a multiple of 8 and every pointer 32-byte aligned; false where it does not apply.
+bool sum_lanes(const TensorRef* const in[3], int count, const TensorRef& out, cudaStream_t s) {
+  const int64_t n = out.numel();
+  if (n % 8 != 0 || !takes_lanes(out)) return false;
+  for (int k = 0; k < count; ++k)
+    if (!takes_lanes(*in[k])) return false;
+  if (count == 1) launch_sum_lanes_into<1>(in, out, n / 8, s);
+  else if (count == 2) launch_sum_lanes_into<2>(in, out, n / 8, s);
+  else launch_sum_lanes_into<3>(in, out, n / 8, s);
+  return true;
+}
+
 }  // namespace
 
 void fill_normal(const TensorRef& t, uint64_t seed, uint64_t stream_id, double stddev, int64_t first_index,
@@ -196,11 +237,8 @@ void squared_error(const TensorRef& out, const TensorRef& target, double scale, 
 void axpy(double alpha, const TensorRef& x, const TensorRef& y, Stream stream) {
   const int64_t n = y.numel();
   if (n == 0) return;
-  auto fast = [](const TensorRef& t) {
-    return (t.dtype() == DType::kF32 || t.dtype() == DType::kBF16) && reinterpret_cast<uintptr_t>(t.data()) % 32 == 0;
-  };
   cudaStream_t s = to_cuda(stream);
-  if (n % 8 == 0 && fast(x) && fast(y)) {
+  if (n % 8 == 0 && takes_lanes(x) && takes_lanes(y)) {
     const bool xf = x.dtype() == DType::kF32, yf = y.dtype() == DType::kF32;
     const int grid = grid_for(n / 8);
     if (xf && yf) axpy_lanes_kernel<float, float><<<grid, 256, 0, s>>>(alpha, x.data(), y.data(), n / 8);
@@ -214,46 +252,9 @@ void axpy(double alpha, const TensorRef& x, const TensorRef& y, Stream stream) {
   EPX_CHECK_LAUNCH("axpy_kernel");
 }
 
-// The fast path's launch: picks each operand's type from its dtype (fp32 or bf16), padding the
-// unused inputs with float.
-template <int N, typename TO, typename... Ts>
-void launch_sum_lanes(const TensorRef* const in[3], const TensorRef& out, int64_t n8, cudaStream_t s) {
-  if constexpr (sizeof...(Ts) == 3) {
-    sum_lanes_kernel<N, TO, Ts...><<<grid_for(n8), 256, 0, s>>>(in[0]->data(), N > 1 ? in[1]->data() : nullptr,
-                                                               N > 2 ? in[2]->data() : nullptr, out.data(), n8);
-    EPX_CHECK_LAUNCH("sum_lanes_kernel");
-  } else if constexpr (sizeof...(Ts) >= N) {
-    launch_sum_lanes<N, TO, Ts..., float>(in, out, n8, s);
-  } else if (in[sizeof...(Ts)]->dtype() == DType::kF32) {
-    launch_sum_lanes<N, TO, Ts..., float>(in, out, n8, s);
-  } else {
-    launch_sum_lanes<N, TO, Ts..., __nv_bfloat16>(in, out, n8, s);
-  }
-}
-
-template <int N>
-void launch_sum_lanes_into(const TensorRef* const in[3], const TensorRef& out, int64_t n8, cudaStream_t s) {
-  if (out.dtype() == DType::kF32) launch_sum_lanes<N, float>(in, out, n8, s);
-  else launch_sum_lanes<N, __nv_bfloat16>(in, out, n8, s);
-}
-
-// out = in[0] + ... + in[count-1] (count 1..3) on the fast path, where every dtype is fp32 or bf16,
-// the element count a multiple of 8 and every pointer 32-byte aligned; false where it does not apply.
-bool sum_lanes(const TensorRef* const in[3], int count, const TensorRef& out, cudaStream_t s) {
-  const int64_t n = out.numel();
-  auto fits = [n](const TensorRef& t) {
-    return (t.dtype() == DType::kF32 || t.dtype() == DType::kBF16) && reinterpret_cast<uintptr_t>(t.data()) % 32 == 0;
-  };
-  if (n % 8 != 0 || !fits(out)) return false;
-  for (int k = 0; k < count; ++k)
-    if (!fits(*in[k])) return false;
-  if (count == 1) launch_sum_lanes_into<1>(in, out, n / 8, s);
-  else if (count == 2) launch_sum_lanes_into<2>(in, out, n / 8, s);
-  else launch_sum_lanes_into<3>(in, out, n / 8, s);
-  return true;
-}
-
-void add(const TensorRef& a, const TensorRef& b, const TensorRef* c, const TensorRef& out, Stream stream) {
+// add with an optional third operand (the two public overloads).
+static void add_optional(const TensorRef& a, const TensorRef& b, const TensorRef* c, const TensorRef& out,
+                         Stream stream) {
   const int64_t n = out.numel();
   if (n == 0) return;
   const TensorRef* in[3] = {&a, &b, c};
@@ -267,11 +268,11 @@ void add(const TensorRef& a, const TensorRef& b, const TensorRef* c, const Tenso
 }
 
 void add(const TensorRef& a, const TensorRef& b, const TensorRef& out, Stream stream) {
-  add(a, b, nullptr, out, stream);
+  add_optional(a, b, nullptr, out, stream);
 }
 
 void add(const TensorRef& a, const TensorRef& b, const TensorRef& c, const TensorRef& out, Stream stream) {
-  add(a, b, &c, out, stream);
+  add_optional(a, b, &c, out, stream);
 }
 
 void cast(const TensorRef& src, const TensorRef& dst, Stream stream) {
