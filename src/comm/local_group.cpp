@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <utility>
 
 #include "comm/group_status.h"
 #include "comm/handle_pool.h"
@@ -93,9 +94,8 @@ class LocalGroup final : public GroupState {
     int32_t s[5];
     EPX_CUDA_CHECK(cudaMemcpy(s, status_.data(), sizeof s, cudaMemcpyDeviceToHost));
     reset_status();
-    const bool smaller = smaller_handle_capacity;
-    smaller_handle_capacity = false;
-    raise_layout_status(s, 0, config.num_experts, recv_capacity_rows, smaller);
+    raise_layout_status(s, 0, config.num_experts, recv_capacity_rows,
+                        std::exchange(smaller_handle_capacity, false));
   }
 
  private:

@@ -29,6 +29,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/ep_kernels.h"
@@ -550,9 +551,8 @@ class NcclGroup final : public GroupState {
                                  " never arrived (do all ranks make the same collective calls in the same order?). "
                                  "The group is unusable; destroy it on every rank."));
     }
-    const bool smaller = smaller_handle_capacity;
-    smaller_handle_capacity = false;
-    raise_layout_status(s, rank, config.num_experts, recv_capacity_rows, smaller);
+    raise_layout_status(s, rank, config.num_experts, recv_capacity_rows,
+                        std::exchange(smaller_handle_capacity, false));
   }
 
  private:

@@ -361,8 +361,8 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     ensure(s.shared_h, {T, Fs}, c.dtype, dev);
     ensure(s.shared_y, {T, H}, c.dtype, dev);
   }
-  if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda() && !fp8_w_in_q_.defined())
-    refresh_fp8_weights(stream);
+  const bool cached_fp8_weights = c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda();
+  if (cached_fp8_weights && !fp8_w_in_q_.defined()) refresh_fp8_weights(stream);
   st.mark_main("");
 
   // Router, on every token at once.
@@ -421,7 +421,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
     st.main_waits(i);
     MlpTensors mt = routed_tensors(c, params_, k);
     mt.row_align = group_.config().align;
-    if (c.precision == MlpPrecision::kFp8Block && c.fp8_weight_cache && dev.is_cuda()) {
+    if (cached_fp8_weights) {
       mt.w_in_q = fp8_w_in_q_;
       mt.w_in_q_scales = fp8_w_in_scales_;
       mt.w_out_q = fp8_w_out_q_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/dtype_cuda.cuh"
 #include "epx/error.h"
 
 namespace epx::cuda {
@@ -21,11 +22,6 @@ __global__ void add_group_bias_kernel(int64_t cols, const int32_t* offsets, cons
       y[r * cols + c] = __float2bfloat16_rn(__bfloat162float(y[r * cols + c]) + __bfloat162float(b[c]));
 }
 
-__device__ __forceinline__ void store_sum(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_sum(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ float load_old(const float* p) { return *p; }
-__device__ __forceinline__ float load_old(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-
 // Expert g = blockIdx.y, column c = one thread; rows ascending (a warp reads 32 adjacent columns of
 // a row: coalesced).
 template <class Out>
@@ -40,7 +36,7 @@ __global__ void group_column_sums_kernel(const __nv_bfloat16* src, int64_t ld, i
   float s = 0.0f;
   for (int64_t r = begin; r < begin + n; ++r) s += __bfloat162float(src[r * ld + c]);
   Out* o = out + g * cols + c;
-  store_sum(o, accumulate ? load_old(o) + s : s);
+  *o = from_float<Out>(accumulate ? to_float(*o) + s : s);
 }
 
 }  // namespace
