@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -65,6 +66,24 @@ void expect_bit_equal(const Outputs& a, const Outputs& b, const char* what) {
   EXPECT_TRUE(bit_equal(a.w_out, b.w_out)) << what << ": d_w_out";
   EXPECT_TRUE(bit_equal(a.gate, b.gate)) << what << ": d_gate";
   EXPECT_TRUE(bit_equal(a.losses, b.losses)) << what << ": losses";
+}
+
+// One forward + backward of each layer (all of one config's shape, on device dev) on the same x
+// and d_out drawn from `seed`; what each produced, in order.
+std::vector<Outputs> forward_backward_each(std::initializer_list<MoELayer*> layers, int T, uint64_t seed, Device dev) {
+  const MoEConfig& c = (*layers.begin())->config();
+  Tensor x = Tensor::empty({T, c.hidden}, c.dtype, dev), d_out = Tensor::empty({T, c.hidden}, c.dtype, dev);
+  detail::fill_normal(x, seed, 1, 1.0);
+  detail::fill_normal(d_out, seed, 2, 0.1);
+  std::vector<Outputs> got;
+  for (MoELayer* L : layers) {
+    Tensor out = Tensor::zeros({T, c.hidden}, c.dtype, dev), d_x = Tensor::zeros({T, c.hidden}, c.dtype, dev);
+    MoEContext ctx = L->forward(x, out);
+    L->backward(ctx, d_out, d_x);
+    EXPECT_EQ(ctx.num_chunks(), L->config().pipeline_chunks);
+    got.push_back(snapshot(*L, out, d_x, ctx));
+  }
+  return got;
 }
 
 // Captures a warmed-up forward + backward of layer c, replays it 10 times and on new tokens, and
@@ -167,18 +186,7 @@ TEST(MoELayerGpu, PipelineChunksMatchOneChunk) {
     MoELayer l1(g, one), ln(g, many);
     l1.init_params(3, 0.1);
     ln.init_params(3, 0.1);
-    const Device dev = g.device();
-    Tensor x = Tensor::empty({T, one.hidden}, one.dtype, dev), d_out = Tensor::empty({T, one.hidden}, one.dtype, dev);
-    detail::fill_normal(x, 3, 1, 1.0);
-    detail::fill_normal(d_out, 3, 2, 0.1);
-    std::vector<Outputs> got;
-    for (MoELayer* L : {&l1, &ln}) {
-      Tensor out = Tensor::zeros({T, one.hidden}, one.dtype, dev), d_x = Tensor::zeros({T, one.hidden}, one.dtype, dev);
-      MoEContext ctx = L->forward(x, out);
-      L->backward(ctx, d_out, d_x);
-      EXPECT_EQ(ctx.num_chunks(), L->config().pipeline_chunks);
-      got.push_back(snapshot(*L, out, d_x, ctx));
-    }
+    const std::vector<Outputs> got = forward_backward_each({&l1, &ln}, T, 3, g.device());
     g.check();
     EXPECT_TRUE(bit_equal(got[0].out, got[1].out)) << "out";
     EXPECT_TRUE(bit_equal(got[0].d_x, got[1].d_x)) << "d_x";
@@ -271,15 +279,7 @@ TEST(MoELayerGpu, Bf16ExpertGradsAreRoundedFp32Grads) {
   MoELayer l32(g, c), l16(g, cb);
   l32.init_params(5, 0.1);
   l16.init_params(5, 0.1);
-  const Device dev = g.device();
-  Tensor x = Tensor::empty({T, c.hidden}, c.dtype, dev), d_out = Tensor::empty({T, c.hidden}, c.dtype, dev);
-  detail::fill_normal(x, 5, 1, 1.0);
-  detail::fill_normal(d_out, 5, 2, 0.1);
-  for (MoELayer* L : {&l32, &l16}) {
-    Tensor out = Tensor::zeros({T, c.hidden}, c.dtype, dev), d_x = Tensor::zeros({T, c.hidden}, c.dtype, dev);
-    MoEContext ctx = L->forward(x, out);
-    L->backward(ctx, d_out, d_x);
-  }
+  forward_backward_each({&l32, &l16}, T, 5, g.device());
   g.check();
   ASSERT_EQ(l16.grads().w_in.dtype(), DType::kBF16);
   for (auto which : {&MoEParams::w_in, &MoEParams::w_out}) {
