@@ -132,10 +132,15 @@ void split_into_chunks(MoEContext::State& s, int64_t T, int n) {
 TensorRef rows_of(const TensorRef& t, const MoEContext::State::Chunk& k) { return t.slice_rows(k.begin, k.end); }
 
 // The routed experts' FFN operands of one chunk, as forward writes them and backward reads them.
-MlpTensors routed_tensors(const MoEConfig& c, const MoEParams& p, const MoEContext::State::Chunk& k) {
-  return MlpTensors{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
-                    c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
-                    p.w_in, p.b_in, p.w_out, p.b_out, k.a, k.h, k.y, k.recv_scales};
+// The dispatch starts every expert's rows at a multiple of the group's align, which lets the
+// GEMMs of both passes take the contiguous kernels.
+MlpTensors routed_tensors(const MoEConfig& c, const MoEParams& p, const Group& group,
+                          const MoEContext::State::Chunk& k) {
+  MlpTensors t{k.recv_x, k.handle.expert_offsets(), k.handle.expert_rows(),
+               c.apply_weights_early ? k.recv_weights.ref() : TensorRef(),
+               p.w_in, p.b_in, p.w_out, p.b_out, k.a, k.h, k.y, k.recv_scales};
+  t.row_align = group.config().align;
+  return t;
 }
 
 // The shared experts' operands: one group of all T tokens of x.
@@ -419,8 +424,7 @@ void MoELayer::forward(const TensorRef& x, const TensorRef& out, MoEContext& ctx
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
-    MlpTensors mt = routed_tensors(c, params_, k);
-    mt.row_align = group_.config().align;
+    MlpTensors mt = routed_tensors(c, params_, group_, k);
     if (cached_fp8_weights) {
       mt.w_in_q = fp8_w_in_q_;
       mt.w_in_q_scales = fp8_w_in_scales_;
@@ -538,7 +542,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
-    const MlpTensors mt = routed_tensors(c, params_, k);
+    const MlpTensors mt = routed_tensors(c, params_, group_, k);
     MlpGrads mg{k.d_y, k.d_recv_x, c.apply_weights_early ? k.d_recv_weights.ref() : TensorRef(),
                 grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
     {

@@ -580,6 +580,106 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
     }
 }
 
+// Host forms of the activations and their partial derivatives (grouped_gemm.h's definitions).
+struct ActValue {
+  double v, d0, d1;
+};
+ActValue act_on_host(Activation act, double a0, double a1) {
+  const double c = 0.7978845608028654, k = 0.044715;
+  const double t = std::tanh(c * (a0 + k * a0 * a0 * a0));
+  const double gelu = 0.5 * a0 * (1 + t), d_gelu = 0.5 * (1 + t) + 0.5 * a0 * (1 - t * t) * c * (1 + 3 * k * a0 * a0);
+  const double s = 1 / (1 + std::exp(-a0)), relu = a0 > 0 ? a0 : 0;
+  switch (act) {
+    case Activation::kSwiGLU: return {a0 * s * a1, a1 * s * (1 + a0 * (1 - s)), a0 * s};
+    case Activation::kGeGLU: return {gelu * a1, d_gelu * a1, gelu};
+    case Activation::kGelu: return {gelu, d_gelu, 0};
+    default: return {relu * relu, 2 * relu, 0};
+  }
+}
+
+// The activation kernels split the used rows into one contiguous range per block and walk the groups
+// along it, several rows at a time. Every row must come out right whatever range and group boundary
+// it falls on: ~24000 rows in 200 groups (empty, one-row and padded ones) give each of the ~2000
+// blocks a dozen rows that start and end anywhere, and F = 2056 makes a thread take two column passes.
+// Checked element by element against the formulas applied to the GPU's own a (no GEMM rounding in
+// the comparison): h = act(a) [* w] on real rows, a, h, y zero on padding rows, rows past the layout
+// untouched; backward (consuming: d_a lands in a, d_h in h) d_a = d_h [* w] * d act / d a and
+// d_row_weights = sum d_h * act on real rows, zero on padding rows.
+TEST(ExpertMlpGpu, ActivationKernelsCoverEveryRowAcrossBlocks) {
+  EPX_REQUIRE_GROUPED();
+  struct Shape2 {
+    int64_t F;
+    int groups, max_rows, align;
+  };
+  for (const Shape2& sh : {Shape2{264, 200, 230, 16}, Shape2{2056, 6, 20, 8}})
+    for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kGelu, Activation::kRelu2})
+      for (bool early : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << activation_name(act) << (early ? " early" : "") << ", F " << sh.F);
+        std::mt19937 rng(static_cast<uint32_t>(sh.F) + 7u * static_cast<uint32_t>(act) + (early ? 1u : 0u));
+        std::vector<int> sizes(static_cast<size_t>(sh.groups));
+        for (int& n : sizes) n = rng() % 5 == 0 ? static_cast<int>(rng() % 2) : static_cast<int>(rng() % sh.max_rows);
+        const Layout L = make_layout(sizes, sh.align);
+        const int G = sh.groups;
+        const int64_t H = 64, F = sh.F, P = is_gated(act) ? 2 : 1, R = L.total + 5;
+        const Tensor x = to_gpu(randn({R, H}, DType::kBF16, 61)), w_in = to_gpu(randn({G, H, P, F}, DType::kBF16, 62, 0.2));
+        const Tensor w_out = to_gpu(randn({G, F, H}, DType::kBF16, 63, 0.1)), rw_host = randn({R}, DType::kF32, 64, 0.5);
+        const Tensor rw = to_gpu(rw_host), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+        Tensor a = to_gpu(Tensor::full({R, P, F}, DType::kBF16, 7.0)), h = to_gpu(Tensor::full({R, F}, DType::kBF16, 7.0));
+        Tensor y = to_gpu(Tensor::full({R, H}, DType::kBF16, 7.0));
+        const MlpTensors t{x, off, rows, early ? rw.ref() : TensorRef(), w_in, {}, w_out, {}, a, h, y};
+        expert_mlp_forward(MlpConfig{act, early, MlpPrecision::kHigh}, t);
+        const Tensor a_f = to_host(a), h_f = to_host(h), y_f = to_host(y);
+        const Tensor d_y = to_gpu(randn({R, H}, DType::kBF16, 65)), d_x = to_gpu(Tensor::zeros({R, H}, DType::kBF16));
+        const Tensor d_w_in = to_gpu(Tensor::zeros({G, H, P, F}, DType::kF32));
+        const Tensor d_w_out = to_gpu(Tensor::zeros({G, F, H}, DType::kF32));
+        const Tensor d_rw = to_gpu(Tensor::full({R}, DType::kF32, 7.0));
+        const MlpGrads g{d_y, d_x, early ? d_rw.ref() : TensorRef(), d_w_in, {}, d_w_out, {}};
+        expert_mlp_backward(MlpConfig{act, early, MlpPrecision::kHigh, /*backward_consumes_saved=*/true}, t, g);
+        const Tensor d_a = to_host(a), d_h = to_host(h), d_rw_b = to_host(d_rw);
+
+        int64_t bad = 0;
+        auto expect_near = [&](double got, double want, double tol, const char* what, int64_t r, int64_t j) {
+          if (std::fabs(got - want) <= tol) return;
+          if (++bad <= 5) ADD_FAILURE() << what << " row " << r << " column " << j << ": " << got << ", want " << want;
+        };
+        for (int gi = 0; gi < G; ++gi) {
+          const int64_t begin = L.offsets.ptr<int32_t>()[gi], real_end = begin + L.rows.ptr<int32_t>()[gi];
+          for (int64_t r = begin; r < L.offsets.ptr<int32_t>()[gi + 1]; ++r) {
+            const bool real = r < real_end;
+            const double w = early ? rw_host.item(r) : 1.0;
+            double dw = 0, dw_scale = 0;
+            for (int64_t j = 0; j < F; ++j) {
+              const double a0 = a_f.item(r * P * F + j), a1 = P == 2 ? a_f.item(r * P * F + F + j) : 0.0;
+              if (!real) {
+                expect_near(a0, 0, 0, "padding a", r, j);
+                expect_near(a1, 0, 0, "padding a", r, j);
+                expect_near(h_f.item(r * F + j), 0, 0, "padding h", r, j);
+                expect_near(d_a.item(r * P * F + j), 0, 0, "padding d_a", r, j);
+                continue;
+              }
+              const ActValue v = act_on_host(act, a0, a1);
+              expect_near(h_f.item(r * F + j), v.v * w, 1e-2 * std::fabs(v.v * w) + 1e-3, "h", r, j);
+              const double dh = d_h.item(r * F + j);
+              dw += dh * v.v;
+              dw_scale += std::fabs(dh * v.v);
+              expect_near(d_a.item(r * P * F + j), dh * w * v.d0, 1e-2 * std::fabs(dh * w * v.d0) + 1e-3, "d_a0", r, j);
+              if (P == 2)
+                expect_near(d_a.item(r * P * F + F + j), dh * w * v.d1, 1e-2 * std::fabs(dh * w * v.d1) + 1e-3, "d_a1",
+                            r, j);
+            }
+            for (int64_t j = 0; !real && j < H; ++j) expect_near(y_f.item(r * H + j), 0, 0, "padding y", r, j);
+            if (early) expect_near(d_rw_b.item(r), real ? dw : 0.0, 1e-2 * dw_scale + 1e-4, "d_row_weights", r, 0);
+          }
+        }
+        for (int64_t r = L.total; r < R; ++r) {
+          for (int64_t j = 0; j < P * F; ++j) expect_near(d_a.item(r * P * F + j), 7.0, 0, "a past the layout", r, j);
+          for (int64_t j = 0; j < F; ++j) expect_near(d_h.item(r * F + j), 7.0, 0, "h past the layout", r, j);
+          if (early) expect_near(d_rw_b.item(r), 7.0, 0, "d_row_weights past the layout", r, 0);
+        }
+        EXPECT_EQ(bad, 0) << "elements off (first five reported above)";
+      }
+}
+
 // Expert biases (b_in joins FC1's sums in the activation kernel, b_out FC2's output; their
 // gradients are column sums over each expert's rows) in bf16 and with FP8 block scales, against
 // the reference. d_b_out sums the very d_y the reference sums, in its order: bit for bit. A second

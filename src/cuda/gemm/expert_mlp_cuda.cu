@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <mutex>
 
 #include "core/device_memory.h"
@@ -118,118 +119,186 @@ constexpr int kActLanes = 8;
 using ActLanes = Lanes<__nv_bfloat16, kActLanes>;
 __device__ __forceinline__ ActLanes load_act(const __nv_bfloat16* p) { return load_lanes<__nv_bfloat16, kActLanes>(p); }
 
-__device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
+__device__ __forceinline__ ActLanes zero_lanes() {
   ActLanes z;
 #pragma unroll
   for (int j = 0; j < kActLanes; ++j) z.v[j] = __float2bfloat16_rn(0.0f);
-  for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < n; i += blockDim.x * int64_t{kActLanes})
-    store_lanes(p + i, z);
+  return z;
 }
 
-// One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
-// bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
-// unrounded sum. Each thread takes kActLanes consecutive columns (F and H multiples of it, rows
-// 16-byte aligned: what the grouped GEMMs' TMA needs too).
-__global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
-                                   const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
-                                   __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
-  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
-    const int g = group_of(offsets, G, r);
-    if (g < 0) return;  // rows past offsets[G] are not ours (uniform per block)
-    const bool real = r < offsets[g] + rows[g];
-    __nv_bfloat16* ar = a + r * P * F;
-    __nv_bfloat16* hr = h + r * F;
-    if (!real) {
-      zero_row(ar, P * F);
-      zero_row(hr, F);
-      zero_row(y + r * H, H);
-      continue;
+__device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
+  for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < n; i += blockDim.x * int64_t{kActLanes})
+    store_lanes(p + i, zero_lanes());
+}
+
+// The activation kernels hand each block one contiguous range of the used rows [0, offsets[G]),
+// so a block finds its first row's group once and walks forward from there (a binary search per
+// row was a chain of dependent loads in front of every row), and take kActRows rows at a time, so
+// that each thread keeps that many rows' loads in flight (at F = 2048 a row is one 16-byte load
+// per thread of a 256-thread block).
+constexpr int kActRows = 4;
+
+struct ActRows {
+  int64_t begin = 0, end = 0;  // this block's rows
+  int g = 0;                   // the group of the last row asked about
+
+  __device__ ActRows(const int32_t* offsets, int G) {
+    const int64_t used = offsets[G];
+    const int64_t per = (used + gridDim.x - 1) / gridDim.x;
+    begin = min(used, static_cast<int64_t>(blockIdx.x) * per);
+    end = min(used, begin + per);
+    if (begin < end) g = group_of(offsets, G, begin);
+  }
+  // Rows must be asked about in increasing order; returns r's group.
+  __device__ int group(const int32_t* offsets, int G, int64_t r) {
+    while (g + 1 < G && r >= offsets[g + 1]) ++g;
+    return g;
+  }
+};
+
+// Activation, or zeros on padding rows (a, h and y). With b_in [G, P, F] the bias joins FC1's sums
+// here: a = round(a + b_in) is what backward reads, the activation takes the unrounded sum. Each
+// thread takes kActLanes consecutive columns (F and H multiples of it, rows 16-byte aligned: what the
+// grouped GEMMs' TMA needs too).
+template <int f>
+__global__ void __launch_bounds__(256, 2) act_forward_kernel(int P, int64_t F, int64_t H, const int32_t* offsets, const int32_t* rows,
+                                   int G, const float* row_weights, const __nv_bfloat16* b_in, __nv_bfloat16* a,
+                                   __nv_bfloat16* h, __nv_bfloat16* y) {
+  ActRows range(offsets, G);
+  for (int64_t r0 = range.begin; r0 < range.end; r0 += kActRows) {
+    int grp[kActRows];
+    bool live[kActRows], real[kActRows];
+#pragma unroll
+    for (int u = 0; u < kActRows; ++u) {
+      const int64_t r = r0 + u;
+      live[u] = r < range.end;
+      grp[u] = live[u] ? range.group(offsets, G, r) : 0;
+      real[u] = live[u] && r < offsets[grp[u]] + rows[grp[u]];
     }
-    const float w = row_weights ? row_weights[r] : 1.0f;
-    const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
     for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      ActLanes x0 = load_act(ar + i), x1 = x0, out;
-      if (P == 2) x1 = load_act(ar + F + i);
-      ActLanes b0, b1;
-      if (br) {
-        b0 = load_act(br + i);
-        if (P == 2) b1 = load_act(br + F + i);
+      ActLanes x0[kActRows], x1[kActRows];
+#pragma unroll
+      for (int u = 0; u < kActRows; ++u) {
+        if (!real[u]) continue;
+        const __nv_bfloat16* ar = a + (r0 + u) * P * F;
+        x0[u] = load_act(ar + i);
+        x1[u] = P == 2 ? load_act(ar + F + i) : x0[u];
       }
 #pragma unroll
-      for (int j = 0; j < kActLanes; ++j) {
-        float a0 = __bfloat162float(x0.v[j]);
-        float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
-        if (br) {
-          a0 += __bfloat162float(b0.v[j]);
-          x0.v[j] = __float2bfloat16_rn(a0);
-          if (P == 2) {
-            a1 += __bfloat162float(b1.v[j]);
-            x1.v[j] = __float2bfloat16_rn(a1);
-          }
+      for (int u = 0; u < kActRows; ++u) {
+        if (!live[u]) continue;
+        const int64_t r = r0 + u;
+        __nv_bfloat16* ar = a + r * P * F;
+        if (!real[u]) {
+          store_lanes(ar + i, zero_lanes());
+          if (P == 2) store_lanes(ar + F + i, zero_lanes());
+          store_lanes(h + r * F + i, zero_lanes());
+          continue;
         }
-        float v = act_value(f, a0, a1);
-        if (row_weights) v *= w;
-        out.v[j] = __float2bfloat16_rn(v);
+        const float w = row_weights ? row_weights[r] : 1.0f;
+        const __nv_bfloat16* br = b_in ? b_in + grp[u] * P * F : nullptr;
+        ActLanes b0, b1, out;
+        if (br) {
+          b0 = load_act(br + i);
+          if (P == 2) b1 = load_act(br + F + i);
+        }
+#pragma unroll
+        for (int j = 0; j < kActLanes; ++j) {
+          float a0 = __bfloat162float(x0[u].v[j]);
+          float a1 = P == 2 ? __bfloat162float(x1[u].v[j]) : 0.0f;
+          if (br) {
+            a0 += __bfloat162float(b0.v[j]);
+            x0[u].v[j] = __float2bfloat16_rn(a0);
+            if (P == 2) {
+              a1 += __bfloat162float(b1.v[j]);
+              x1[u].v[j] = __float2bfloat16_rn(a1);
+            }
+          }
+          float v = act_value(f, a0, a1);
+          if (row_weights) v *= w;
+          out.v[j] = __float2bfloat16_rn(v);
+        }
+        if (br) {
+          store_lanes(ar + i, x0[u]);
+          if (P == 2) store_lanes(ar + F + i, x1[u]);
+        }
+        store_lanes(h + r * F + i, out);
       }
-      if (br) {
-        store_lanes(ar + i, x0);
-        if (P == 2) store_lanes(ar + F + i, x1);
-      }
-      store_lanes(hr + i, out);
     }
+#pragma unroll
+    for (int u = 0; u < kActRows; ++u)
+      if (live[u] && !real[u]) zero_row(y + (r0 + u) * H, H);
   }
 }
 
-// One block per row: d_a from d_h and the saved a (d_a may alias a: each element is read before it
-// is written, by the same thread); the row-weight gradient by a fixed block reduction; padding rows
-// get d_row_weights 0 and d_a 0. kActLanes consecutive columns per thread, as in act_forward_kernel.
-__global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
-                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
-                                    const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
-  __shared__ float red[32];
-  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
-    const int g = group_of(offsets, G, r);
-    if (g < 0) return;
-    const bool real = r < offsets[g] + rows[g];
-    const float w = row_weights && real ? row_weights[r] : 1.0f;
-    float dw = 0.0f;
-    const __nv_bfloat16* ar = a + r * P * F;
-    __nv_bfloat16* dar = d_a + r * P * F;
+// d_a from d_h and the saved a (d_a may alias a: each element is read before it is written, by the
+// same thread); the row-weight gradient by a fixed block reduction per row; padding rows get
+// d_row_weights 0 and d_a 0. Rows and columns as in act_forward_kernel.
+template <int f>
+__global__ void __launch_bounds__(256, 2) act_backward_kernel(int P, int64_t F, const int32_t* offsets, const int32_t* rows, int G,
+                                    const float* row_weights, const __nv_bfloat16* a, const __nv_bfloat16* d_h,
+                                    __nv_bfloat16* d_a, float* d_row_weights) {
+  __shared__ float red[kActRows][32];
+  ActRows range(offsets, G);
+  for (int64_t r0 = range.begin; r0 < range.end; r0 += kActRows) {
+    bool live[kActRows], real[kActRows];
+    float w[kActRows], dw[kActRows];
+#pragma unroll
+    for (int u = 0; u < kActRows; ++u) {
+      const int64_t r = r0 + u;
+      live[u] = r < range.end;
+      const int g = live[u] ? range.group(offsets, G, r) : 0;
+      real[u] = live[u] && r < offsets[g] + rows[g];
+      w[u] = row_weights && real[u] ? row_weights[r] : 1.0f;
+      dw[u] = 0.0f;
+    }
     for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      ActLanes o0, o1;
-      if (real) {
-        const ActLanes x0 = load_act(ar + i), dh = load_act(d_h + r * F + i);
-        ActLanes x1 = x0;
-        if (P == 2) x1 = load_act(ar + F + i);
+      ActLanes x0[kActRows], x1[kActRows], dh[kActRows];
 #pragma unroll
-        for (int j = 0; j < kActLanes; ++j) {
-          const float a0 = __bfloat162float(x0.v[j]);
-          const float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
-          float v, g0, g1;
-          act_grad(f, a0, a1, v, g0, g1);
-          float dact = __bfloat162float(dh.v[j]);
-          if (row_weights) {
-            dw = fmaf(dact, v, dw);
-            dact *= w;
-          }
-          o0.v[j] = __float2bfloat16_rn(dact * g0);
-          o1.v[j] = __float2bfloat16_rn(dact * g1);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kActLanes; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
+      for (int u = 0; u < kActRows; ++u) {
+        if (!real[u]) continue;
+        const __nv_bfloat16* ar = a + (r0 + u) * P * F;
+        x0[u] = load_act(ar + i);
+        x1[u] = P == 2 ? load_act(ar + F + i) : x0[u];
+        dh[u] = load_act(d_h + (r0 + u) * F + i);
       }
-      store_lanes(dar + i, o0);
-      if (P == 2) store_lanes(dar + F + i, o1);
+#pragma unroll
+      for (int u = 0; u < kActRows; ++u) {
+        if (!live[u]) continue;
+        __nv_bfloat16* dar = d_a + (r0 + u) * P * F;
+        ActLanes o0 = zero_lanes(), o1 = zero_lanes();
+        if (real[u]) {
+#pragma unroll
+          for (int j = 0; j < kActLanes; ++j) {
+            const float a0 = __bfloat162float(x0[u].v[j]);
+            const float a1 = P == 2 ? __bfloat162float(x1[u].v[j]) : 0.0f;
+            float v, g0, g1;
+            act_grad(f, a0, a1, v, g0, g1);
+            float dact = __bfloat162float(dh[u].v[j]);
+            if (row_weights) {
+              dw[u] = fmaf(dact, v, dw[u]);
+              dact *= w[u];
+            }
+            o0.v[j] = __float2bfloat16_rn(dact * g0);
+            o1.v[j] = __float2bfloat16_rn(dact * g1);
+          }
+        }
+        store_lanes(dar + i, o0);
+        if (P == 2) store_lanes(dar + F + i, o1);
+      }
     }
     if (d_row_weights) {
-      for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
-      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = dw;
+#pragma unroll
+      for (int u = 0; u < kActRows; ++u) {
+        for (int m = 16; m > 0; m >>= 1) dw[u] += __shfl_xor_sync(0xffffffffu, dw[u], m);
+        if ((threadIdx.x & 31) == 0) red[u][threadIdx.x >> 5] = dw[u];
+      }
       __syncthreads();
-      if (threadIdx.x == 0) {
-        float s = 0.0f;
-        for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) s += red[i];
-        d_row_weights[r] = real ? s : 0.0f;
+      if (threadIdx.x < kActRows) {
+        const int u = static_cast<int>(threadIdx.x);
+        float sum = 0.0f;
+        for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) sum += red[u][k];
+        if (live[u]) d_row_weights[r0 + u] = real[u] ? sum : 0.0f;
       }
       __syncthreads();
     }
@@ -339,6 +408,18 @@ void require_16_byte_rows(const char* what, const void* p) {
           ", expected a 16-byte aligned address on the GPU (16-byte rows for the vector accesses and TMA)");
 }
 
+// Calls fn with std::integral_constant<int, f> for the activation code f (act_value's cases), so
+// each kernel instance holds one activation's arithmetic and registers.
+template <typename Fn>
+void with_activation(int f, Fn&& fn) {
+  switch (f) {
+    case 0: return fn(std::integral_constant<int, 0>{});
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    default: return fn(std::integral_constant<int, 3>{});
+  }
+}
+
 void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, int64_t F, int64_t H, int G,
                  cudaStream_t s) {
   const int32_t* off = t.offsets.ptr<int32_t>();
@@ -353,7 +434,9 @@ void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, 
   require_16_byte_rows("h", h);
   require_16_byte_rows("y", y);
   require_16_byte_rows("b_in", b_in);
-  act_forward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
+  with_activation(f, [&](auto act) {
+    act_forward_kernel<decltype(act)::value><<<row_grid(R), 256, 0, s>>>(p, F, H, off, rows, G, w, b_in, a, h, y);
+  });
   EPX_CHECK_LAUNCH("act_forward_kernel");
 }
 
@@ -368,7 +451,9 @@ void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, co
   require_16_byte_rows("a", a);
   require_16_byte_rows("d_h", d_h);
   require_16_byte_rows("d_a", d_a);
-  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
+  with_activation(f, [&](auto act) {
+    act_backward_kernel<decltype(act)::value><<<row_grid(R), 256, 0, s>>>(p, F, off, rows, G, w, a, d_h, d_a, d_w);
+  });
   EPX_CHECK_LAUNCH("act_backward_kernel");
 }
 
