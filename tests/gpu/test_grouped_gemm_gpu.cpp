@@ -598,9 +598,10 @@ ActValue act_on_host(Activation act, double a0, double a1) {
 }
 
 // The activation kernels split the used rows into one contiguous range per block and walk the groups
-// along it, several rows at a time. Every row must come out right whatever range and group boundary
-// it falls on: ~24000 rows in 200 groups (empty, one-row and padded ones) give each of the ~2000
-// blocks a dozen rows that start and end anywhere, and F = 2056 makes a thread take two column passes.
+// along it, loading one item ahead. Every row must come out right whatever range and group boundary
+// it falls on: ~20000 rows in 200 groups (empty, one-row and padded ones) give each block dozens of
+// rows that start and end anywhere, and F = 2056 makes thread 0 take two column steps a row and the
+// others one (their second step idle).
 // Checked element by element against the formulas applied to the GPU's own a (no GEMM rounding in
 // the comparison): h = act(a) [* w] on real rows, a, h, y zero on padding rows, rows past the layout
 // untouched; backward (consuming: d_a lands in a, d_h in h) d_a = d_h [* w] * d act / d a and
@@ -621,11 +622,13 @@ TEST(ExpertMlpGpu, ActivationKernelsCoverEveryRowAcrossBlocks) {
         const Layout L = make_layout(sizes, sh.align);
         const int G = sh.groups;
         const int64_t H = 64, F = sh.F, P = is_gated(act) ? 2 : 1, R = L.total + 5;
-        const Tensor x = to_gpu(randn({R, H}, DType::kBF16, 61)), w_in = to_gpu(randn({G, H, P, F}, DType::kBF16, 62, 0.2));
-        const Tensor w_out = to_gpu(randn({G, F, H}, DType::kBF16, 63, 0.1)), rw_host = randn({R}, DType::kF32, 64, 0.5);
+        const Tensor x = to_gpu(randn({R, H}, DType::kBF16, 61));
+        const Tensor w_in = to_gpu(randn({G, H, P, F}, DType::kBF16, 62, 0.2));
+        const Tensor w_out = to_gpu(randn({G, F, H}, DType::kBF16, 63, 0.1));
+        const Tensor rw_host = randn({R}, DType::kF32, 64, 0.5);
         const Tensor rw = to_gpu(rw_host), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-        Tensor a = to_gpu(Tensor::full({R, P, F}, DType::kBF16, 7.0)), h = to_gpu(Tensor::full({R, F}, DType::kBF16, 7.0));
-        Tensor y = to_gpu(Tensor::full({R, H}, DType::kBF16, 7.0));
+        Tensor a = to_gpu(Tensor::full({R, P, F}, DType::kBF16, 7.0));
+        Tensor h = to_gpu(Tensor::full({R, F}, DType::kBF16, 7.0)), y = to_gpu(Tensor::full({R, H}, DType::kBF16, 7.0));
         const MlpTensors t{x, off, rows, early ? rw.ref() : TensorRef(), w_in, {}, w_out, {}, a, h, y};
         expert_mlp_forward(MlpConfig{act, early, MlpPrecision::kHigh}, t);
         const Tensor a_f = to_host(a), h_f = to_host(h), y_f = to_host(y);

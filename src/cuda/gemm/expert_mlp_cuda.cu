@@ -126,33 +126,52 @@ __device__ __forceinline__ ActLanes zero_lanes() {
   return z;
 }
 
-__device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
-  for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < n; i += blockDim.x * int64_t{kActLanes})
-    store_lanes(p + i, zero_lanes());
-}
+// The activation kernels are latency-bound, not bandwidth-bound, when each row waits for its own
+// loads (a 256-thread block moves one 16-byte vector per thread of a row at F = 2048, then computes
+// it): so each block takes one contiguous range of the used rows [0, offsets[G]) and walks it as
+// a sequence of items (a row, a column step), loading the next item while it computes the current
+// one. The group of a row comes from a forward walk along the range (one binary search per block).
+// Every thread walks the same items (a thread past F idles on that step), so a per-row block
+// reduction stays in step.
+constexpr int kActBlocksPerSm = 3;  // 80 registers: two items' operands in flight per thread
 
-// The activation kernels hand each block one contiguous range of the used rows [0, offsets[G]),
-// so a block finds its first row's group once and walks forward from there (a binary search per
-// row was a chain of dependent loads in front of every row), and take kActRows rows at a time, so
-// that each thread keeps that many rows' loads in flight (at F = 2048 a row is one 16-byte load
-// per thread of a 256-thread block).
-constexpr int kActRows = 4;
+struct ActItem {
+  int64_t r;  // row
+  int k;      // column step: columns (threadIdx.x + k * blockDim.x) * kActLanes
+  bool real;  // a row of its group, not padding
+};
 
 struct ActRows {
+  const int32_t* offsets;
+  const int32_t* rows;
+  int G;
   int64_t begin = 0, end = 0;  // this block's rows
-  int g = 0;                   // the group of the last row asked about
+  int steps = 1;               // column steps per row
+  int g = 0;                   // the group of the last row looked at
 
-  __device__ ActRows(const int32_t* offsets, int G) {
+  __device__ ActRows(const int32_t* offsets_, const int32_t* rows_, int G_, int64_t F)
+      : offsets(offsets_), rows(rows_), G(G_) {
     const int64_t used = offsets[G];
     const int64_t per = (used + gridDim.x - 1) / gridDim.x;
     begin = min(used, static_cast<int64_t>(blockIdx.x) * per);
     end = min(used, begin + per);
+    const int64_t step = static_cast<int64_t>(blockDim.x) * kActLanes;
+    steps = static_cast<int>((F + step - 1) / step);
     if (begin < end) g = group_of(offsets, G, begin);
   }
-  // Rows must be asked about in increasing order; returns r's group.
-  __device__ int group(const int32_t* offsets, int G, int64_t r) {
+  __device__ int64_t column(int k) const { return (threadIdx.x + static_cast<int64_t>(k) * blockDim.x) * kActLanes; }
+  // Rows are looked at in increasing order.
+  __device__ bool real(int64_t r) {
     while (g + 1 < G && r >= offsets[g + 1]) ++g;
-    return g;
+    return r < offsets[g] + rows[g];
+  }
+  __device__ ActItem first() { return ActItem{begin, 0, begin < end && real(begin)}; }
+  __device__ ActItem next(ActItem it) {
+    if (++it.k < steps) return it;
+    it.k = 0;
+    ++it.r;
+    it.real = it.r < end && real(it.r);
+    return it;
   }
 };
 
@@ -161,42 +180,35 @@ struct ActRows {
 // thread takes kActLanes consecutive columns (F and H multiples of it, rows 16-byte aligned: what the
 // grouped GEMMs' TMA needs too).
 template <int f>
-__global__ void __launch_bounds__(256, 2) act_forward_kernel(int P, int64_t F, int64_t H, const int32_t* offsets, const int32_t* rows,
-                                   int G, const float* row_weights, const __nv_bfloat16* b_in, __nv_bfloat16* a,
-                                   __nv_bfloat16* h, __nv_bfloat16* y) {
-  ActRows range(offsets, G);
-  for (int64_t r0 = range.begin; r0 < range.end; r0 += kActRows) {
-    int grp[kActRows];
-    bool live[kActRows], real[kActRows];
-#pragma unroll
-    for (int u = 0; u < kActRows; ++u) {
-      const int64_t r = r0 + u;
-      live[u] = r < range.end;
-      grp[u] = live[u] ? range.group(offsets, G, r) : 0;
-      real[u] = live[u] && r < offsets[grp[u]] + rows[grp[u]];
-    }
-    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      ActLanes x0[kActRows], x1[kActRows];
-#pragma unroll
-      for (int u = 0; u < kActRows; ++u) {
-        if (!real[u]) continue;
-        const __nv_bfloat16* ar = a + (r0 + u) * P * F;
-        x0[u] = load_act(ar + i);
-        x1[u] = P == 2 ? load_act(ar + F + i) : x0[u];
-      }
-#pragma unroll
-      for (int u = 0; u < kActRows; ++u) {
-        if (!live[u]) continue;
-        const int64_t r = r0 + u;
-        __nv_bfloat16* ar = a + r * P * F;
-        if (!real[u]) {
-          store_lanes(ar + i, zero_lanes());
-          if (P == 2) store_lanes(ar + F + i, zero_lanes());
-          store_lanes(h + r * F + i, zero_lanes());
-          continue;
-        }
-        const float w = row_weights ? row_weights[r] : 1.0f;
-        const __nv_bfloat16* br = b_in ? b_in + grp[u] * P * F : nullptr;
+__global__ void __launch_bounds__(256, kActBlocksPerSm)
+    act_forward_kernel(int P, int64_t F, int64_t H, const int32_t* offsets, const int32_t* rows, int G,
+                       const float* row_weights, const __nv_bfloat16* b_in, __nv_bfloat16* a, __nv_bfloat16* h,
+                       __nv_bfloat16* y) {
+  ActRows range(offsets, rows, G, F);
+  auto load = [&](const ActItem& it, ActLanes& x0, ActLanes& x1) {
+    const int64_t i = range.column(it.k);
+    if (!it.real || i >= F) return;
+    const __nv_bfloat16* ar = a + it.r * P * F;
+    x0 = load_act(ar + i);
+    x1 = P == 2 ? load_act(ar + F + i) : x0;
+  };
+  ActItem cur = range.first();
+  ActLanes c0, c1;
+  if (cur.r < range.end) load(cur, c0, c1);
+  while (cur.r < range.end) {
+    const ActItem nxt = range.next(cur);
+    ActLanes n0, n1;
+    if (nxt.r < range.end) load(nxt, n0, n1);
+    const int64_t i = range.column(cur.k);
+    if (i < F) {
+      __nv_bfloat16* ar = a + cur.r * P * F;
+      if (!cur.real) {
+        store_lanes(ar + i, zero_lanes());
+        if (P == 2) store_lanes(ar + F + i, zero_lanes());
+        store_lanes(h + cur.r * F + i, zero_lanes());
+      } else {
+        const float w = row_weights ? row_weights[cur.r] : 1.0f;
+        const __nv_bfloat16* br = b_in ? b_in + range.g * P * F : nullptr;
         ActLanes b0, b1, out;
         if (br) {
           b0 = load_act(br + i);
@@ -204,14 +216,14 @@ __global__ void __launch_bounds__(256, 2) act_forward_kernel(int P, int64_t F, i
         }
 #pragma unroll
         for (int j = 0; j < kActLanes; ++j) {
-          float a0 = __bfloat162float(x0[u].v[j]);
-          float a1 = P == 2 ? __bfloat162float(x1[u].v[j]) : 0.0f;
+          float a0 = __bfloat162float(c0.v[j]);
+          float a1 = P == 2 ? __bfloat162float(c1.v[j]) : 0.0f;
           if (br) {
             a0 += __bfloat162float(b0.v[j]);
-            x0[u].v[j] = __float2bfloat16_rn(a0);
+            c0.v[j] = __float2bfloat16_rn(a0);
             if (P == 2) {
               a1 += __bfloat162float(b1.v[j]);
-              x1[u].v[j] = __float2bfloat16_rn(a1);
+              c1.v[j] = __float2bfloat16_rn(a1);
             }
           }
           float v = act_value(f, a0, a1);
@@ -219,89 +231,91 @@ __global__ void __launch_bounds__(256, 2) act_forward_kernel(int P, int64_t F, i
           out.v[j] = __float2bfloat16_rn(v);
         }
         if (br) {
-          store_lanes(ar + i, x0[u]);
-          if (P == 2) store_lanes(ar + F + i, x1[u]);
+          store_lanes(ar + i, c0);
+          if (P == 2) store_lanes(ar + F + i, c1);
         }
-        store_lanes(h + r * F + i, out);
+        store_lanes(h + cur.r * F + i, out);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kActRows; ++u)
-      if (live[u] && !real[u]) zero_row(y + (r0 + u) * H, H);
+    cur = nxt;
+    c0 = n0;
+    c1 = n1;
+  }
+  // y's padding rows, H columns wide: a second walk over the range.
+  ActRows again(offsets, rows, G, F);
+  for (int64_t r = again.begin; r < again.end; ++r) {
+    if (again.real(r)) continue;
+    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < H; i += blockDim.x * int64_t{kActLanes})
+      store_lanes(y + r * H + i, zero_lanes());
   }
 }
 
 // d_a from d_h and the saved a (d_a may alias a: each element is read before it is written, by the
-// same thread); the row-weight gradient by a fixed block reduction per row; padding rows get
-// d_row_weights 0 and d_a 0. Rows and columns as in act_forward_kernel.
+// same thread); the row-weight gradient by a fixed block reduction per row (each thread's columns in
+// order, then the warps in order); padding rows get d_row_weights 0 and d_a 0. Items as in
+// act_forward_kernel.
 template <int f>
-__global__ void __launch_bounds__(256, 2) act_backward_kernel(int P, int64_t F, const int32_t* offsets, const int32_t* rows, int G,
-                                    const float* row_weights, const __nv_bfloat16* a, const __nv_bfloat16* d_h,
-                                    __nv_bfloat16* d_a, float* d_row_weights) {
-  __shared__ float red[kActRows][32];
-  ActRows range(offsets, G);
-  for (int64_t r0 = range.begin; r0 < range.end; r0 += kActRows) {
-    bool live[kActRows], real[kActRows];
-    float w[kActRows], dw[kActRows];
+__global__ void __launch_bounds__(256, kActBlocksPerSm)
+    act_backward_kernel(int P, int64_t F, const int32_t* offsets, const int32_t* rows, int G, const float* row_weights,
+                        const __nv_bfloat16* a, const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
+  __shared__ float red[32];
+  ActRows range(offsets, rows, G, F);
+  auto load = [&](const ActItem& it, ActLanes& x0, ActLanes& x1, ActLanes& dh) {
+    const int64_t i = range.column(it.k);
+    if (!it.real || i >= F) return;
+    const __nv_bfloat16* ar = a + it.r * P * F;
+    x0 = load_act(ar + i);
+    x1 = P == 2 ? load_act(ar + F + i) : x0;
+    dh = load_act(d_h + it.r * F + i);
+  };
+  ActItem cur = range.first();
+  ActLanes c0, c1, cd;
+  if (cur.r < range.end) load(cur, c0, c1, cd);
+  float dw = 0.0f;
+  while (cur.r < range.end) {
+    const ActItem nxt = range.next(cur);
+    ActLanes n0, n1, nd;
+    if (nxt.r < range.end) load(nxt, n0, n1, nd);
+    const int64_t i = range.column(cur.k);
+    if (i < F) {
+      ActLanes o0 = zero_lanes(), o1 = zero_lanes();
+      if (cur.real) {
+        const float w = row_weights ? row_weights[cur.r] : 1.0f;
 #pragma unroll
-    for (int u = 0; u < kActRows; ++u) {
-      const int64_t r = r0 + u;
-      live[u] = r < range.end;
-      const int g = live[u] ? range.group(offsets, G, r) : 0;
-      real[u] = live[u] && r < offsets[g] + rows[g];
-      w[u] = row_weights && real[u] ? row_weights[r] : 1.0f;
-      dw[u] = 0.0f;
-    }
-    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      ActLanes x0[kActRows], x1[kActRows], dh[kActRows];
-#pragma unroll
-      for (int u = 0; u < kActRows; ++u) {
-        if (!real[u]) continue;
-        const __nv_bfloat16* ar = a + (r0 + u) * P * F;
-        x0[u] = load_act(ar + i);
-        x1[u] = P == 2 ? load_act(ar + F + i) : x0[u];
-        dh[u] = load_act(d_h + (r0 + u) * F + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kActRows; ++u) {
-        if (!live[u]) continue;
-        __nv_bfloat16* dar = d_a + (r0 + u) * P * F;
-        ActLanes o0 = zero_lanes(), o1 = zero_lanes();
-        if (real[u]) {
-#pragma unroll
-          for (int j = 0; j < kActLanes; ++j) {
-            const float a0 = __bfloat162float(x0[u].v[j]);
-            const float a1 = P == 2 ? __bfloat162float(x1[u].v[j]) : 0.0f;
-            float v, g0, g1;
-            act_grad(f, a0, a1, v, g0, g1);
-            float dact = __bfloat162float(dh[u].v[j]);
-            if (row_weights) {
-              dw[u] = fmaf(dact, v, dw[u]);
-              dact *= w[u];
-            }
-            o0.v[j] = __float2bfloat16_rn(dact * g0);
-            o1.v[j] = __float2bfloat16_rn(dact * g1);
+        for (int j = 0; j < kActLanes; ++j) {
+          const float a0 = __bfloat162float(c0.v[j]);
+          const float a1 = P == 2 ? __bfloat162float(c1.v[j]) : 0.0f;
+          float v, g0, g1;
+          act_grad(f, a0, a1, v, g0, g1);
+          float dact = __bfloat162float(cd.v[j]);
+          if (row_weights) {
+            dw = fmaf(dact, v, dw);
+            dact *= w;
           }
+          o0.v[j] = __float2bfloat16_rn(dact * g0);
+          o1.v[j] = __float2bfloat16_rn(dact * g1);
         }
-        store_lanes(dar + i, o0);
-        if (P == 2) store_lanes(dar + F + i, o1);
       }
+      __nv_bfloat16* dar = d_a + cur.r * P * F;
+      store_lanes(dar + i, o0);
+      if (P == 2) store_lanes(dar + F + i, o1);
     }
-    if (d_row_weights) {
-#pragma unroll
-      for (int u = 0; u < kActRows; ++u) {
-        for (int m = 16; m > 0; m >>= 1) dw[u] += __shfl_xor_sync(0xffffffffu, dw[u], m);
-        if ((threadIdx.x & 31) == 0) red[u][threadIdx.x >> 5] = dw[u];
-      }
+    if (d_row_weights && cur.k == range.steps - 1) {  // the row's last step, on every thread at once
+      for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
+      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = dw;
       __syncthreads();
-      if (threadIdx.x < kActRows) {
-        const int u = static_cast<int>(threadIdx.x);
+      if (threadIdx.x == 0) {
         float sum = 0.0f;
-        for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) sum += red[u][k];
-        if (live[u]) d_row_weights[r0 + u] = real[u] ? sum : 0.0f;
+        for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) sum += red[k];
+        d_row_weights[cur.r] = cur.real ? sum : 0.0f;
       }
       __syncthreads();
+      dw = 0.0f;
     }
+    cur = nxt;
+    c0 = n0;
+    c1 = n1;
+    cd = nd;
   }
 }
 
@@ -408,6 +422,12 @@ void require_16_byte_rows(const char* what, const void* p) {
           ", expected a 16-byte aligned address on the GPU (16-byte rows for the vector accesses and TMA)");
 }
 
+// One resident wave of the activation kernels: each block then walks one long range of rows with its
+// loads always one item ahead.
+int act_grid(int64_t rows) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * int64_t{kActBlocksPerSm})));
+}
+
 // Calls fn with std::integral_constant<int, f> for the activation code f (act_value's cases), so
 // each kernel instance holds one activation's arithmetic and registers.
 template <typename Fn>
@@ -435,7 +455,7 @@ void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, 
   require_16_byte_rows("y", y);
   require_16_byte_rows("b_in", b_in);
   with_activation(f, [&](auto act) {
-    act_forward_kernel<decltype(act)::value><<<row_grid(R), 256, 0, s>>>(p, F, H, off, rows, G, w, b_in, a, h, y);
+    act_forward_kernel<decltype(act)::value><<<act_grid(R), 256, 0, s>>>(p, F, H, off, rows, G, w, b_in, a, h, y);
   });
   EPX_CHECK_LAUNCH("act_forward_kernel");
 }
@@ -452,7 +472,7 @@ void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, co
   require_16_byte_rows("d_h", d_h);
   require_16_byte_rows("d_a", d_a);
   with_activation(f, [&](auto act) {
-    act_backward_kernel<decltype(act)::value><<<row_grid(R), 256, 0, s>>>(p, F, off, rows, G, w, a, d_h, d_a, d_w);
+    act_backward_kernel<decltype(act)::value><<<act_grid(R), 256, 0, s>>>(p, F, off, rows, G, w, a, d_h, d_a, d_w);
   });
   EPX_CHECK_LAUNCH("act_backward_kernel");
 }
