@@ -597,11 +597,9 @@ ActValue act_on_host(Activation act, double a0, double a1) {
   }
 }
 
-// The activation kernels split the used rows into one contiguous range per block and walk the groups
-// along it, loading one item ahead. Every row must come out right whatever range and group boundary
-// it falls on: ~20000 rows in 200 groups (empty, one-row and padded ones) give each block dozens of
-// rows that start and end anywhere, and F = 2056 makes thread 0 take two column steps a row and the
-// others one (their second step idle).
+// Every row of the activation kernels, whichever block and group boundary it falls on: ~20000 rows in
+// 200 groups (empty, one-row and padded ones) spread over many blocks, and F = 2056, where thread 0
+// takes two column steps a row and the others one.
 // Checked element by element against the formulas applied to the GPU's own a (no GEMM rounding in
 // the comparison): h = act(a) [* w] on real rows, a, h, y zero on padding rows, rows past the layout
 // untouched; backward (consuming: d_a lands in a, d_h in h) d_a = d_h [* w] * d act / d a and

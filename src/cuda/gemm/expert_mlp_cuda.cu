@@ -21,7 +21,6 @@
 #include <functional>
 #include <map>
 #include <string>
-#include <type_traits>
 #include <mutex>
 
 #include "core/device_memory.h"
@@ -119,175 +118,96 @@ constexpr int kActLanes = 8;
 using ActLanes = Lanes<__nv_bfloat16, kActLanes>;
 __device__ __forceinline__ ActLanes load_act(const __nv_bfloat16* p) { return load_lanes<__nv_bfloat16, kActLanes>(p); }
 
-__device__ __forceinline__ ActLanes zero_lanes() {
+__device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
   ActLanes z;
 #pragma unroll
   for (int j = 0; j < kActLanes; ++j) z.v[j] = __float2bfloat16_rn(0.0f);
-  return z;
+  for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < n; i += blockDim.x * int64_t{kActLanes})
+    store_lanes(p + i, z);
 }
 
-// The activation kernels are latency-bound, not bandwidth-bound, when each row waits for its own
-// loads (a 256-thread block moves one 16-byte vector per thread of a row at F = 2048, then computes
-// it): so each block takes one contiguous range of the used rows [0, offsets[G]) and walks it as
-// a sequence of items (a row, a column step), loading the next item while it computes the current
-// one. The group of a row comes from a forward walk along the range (one binary search per block).
-// Every thread walks the same items (a thread past F idles on that step), so a per-row block
-// reduction stays in step.
-constexpr int kActBlocksPerSm = 3;  // 80 registers: two items' operands in flight per thread
-
-struct ActItem {
-  int64_t r;  // row
-  int k;      // column step: columns (threadIdx.x + k * blockDim.x) * kActLanes
-  bool real;  // a row of its group, not padding
-};
-
-struct ActRows {
-  const int32_t* offsets;
-  const int32_t* rows;
-  int G;
-  int64_t begin = 0, end = 0;  // this block's rows
-  int steps = 1;               // column steps per row
-  int g = 0;                   // the group of the last row looked at
-
-  __device__ ActRows(const int32_t* offsets_, const int32_t* rows_, int G_, int64_t F)
-      : offsets(offsets_), rows(rows_), G(G_) {
-    const int64_t used = offsets[G];
-    const int64_t per = (used + gridDim.x - 1) / gridDim.x;
-    begin = min(used, static_cast<int64_t>(blockIdx.x) * per);
-    end = min(used, begin + per);
-    const int64_t step = static_cast<int64_t>(blockDim.x) * kActLanes;
-    steps = static_cast<int>((F + step - 1) / step);
-    if (begin < end) g = group_of(offsets, G, begin);
-  }
-  __device__ int64_t column(int k) const { return (threadIdx.x + static_cast<int64_t>(k) * blockDim.x) * kActLanes; }
-  // Rows are looked at in increasing order.
-  __device__ bool real(int64_t r) {
-    while (g + 1 < G && r >= offsets[g + 1]) ++g;
-    return r < offsets[g] + rows[g];
-  }
-  __device__ ActItem first() { return ActItem{begin, 0, begin < end && real(begin)}; }
-  __device__ ActItem next(ActItem it) {
-    if (++it.k < steps) return it;
-    it.k = 0;
-    ++it.r;
-    it.real = it.r < end && real(it.r);
-    return it;
-  }
-};
-
-// Activation, or zeros on padding rows (a, h and y). With b_in [G, P, F] the bias joins FC1's sums
-// here: a = round(a + b_in) is what backward reads, the activation takes the unrounded sum. Each
-// thread takes kActLanes consecutive columns (F and H multiples of it, rows 16-byte aligned: what the
-// grouped GEMMs' TMA needs too).
-template <int f>
-__global__ void __launch_bounds__(256, kActBlocksPerSm)
-    act_forward_kernel(int P, int64_t F, int64_t H, const int32_t* offsets, const int32_t* rows, int G,
-                       const float* row_weights, const __nv_bfloat16* b_in, __nv_bfloat16* a, __nv_bfloat16* h,
-                       __nv_bfloat16* y) {
-  ActRows range(offsets, rows, G, F);
-  auto load = [&](const ActItem& it, ActLanes& x0, ActLanes& x1) {
-    const int64_t i = range.column(it.k);
-    if (!it.real || i >= F) return;
-    const __nv_bfloat16* ar = a + it.r * P * F;
-    x0 = load_act(ar + i);
-    x1 = P == 2 ? load_act(ar + F + i) : x0;
-  };
-  ActItem cur = range.first();
-  ActLanes c0, c1;
-  if (cur.r < range.end) load(cur, c0, c1);
-  while (cur.r < range.end) {
-    const ActItem nxt = range.next(cur);
-    ActLanes n0, n1;
-    if (nxt.r < range.end) load(nxt, n0, n1);
-    const int64_t i = range.column(cur.k);
-    if (i < F) {
-      __nv_bfloat16* ar = a + cur.r * P * F;
-      if (!cur.real) {
-        store_lanes(ar + i, zero_lanes());
-        if (P == 2) store_lanes(ar + F + i, zero_lanes());
-        store_lanes(h + cur.r * F + i, zero_lanes());
-      } else {
-        const float w = row_weights ? row_weights[cur.r] : 1.0f;
-        const __nv_bfloat16* br = b_in ? b_in + range.g * P * F : nullptr;
-        ActLanes b0, b1, out;
-        if (br) {
-          b0 = load_act(br + i);
-          if (P == 2) b1 = load_act(br + F + i);
-        }
-#pragma unroll
-        for (int j = 0; j < kActLanes; ++j) {
-          float a0 = __bfloat162float(c0.v[j]);
-          float a1 = P == 2 ? __bfloat162float(c1.v[j]) : 0.0f;
-          if (br) {
-            a0 += __bfloat162float(b0.v[j]);
-            c0.v[j] = __float2bfloat16_rn(a0);
-            if (P == 2) {
-              a1 += __bfloat162float(b1.v[j]);
-              c1.v[j] = __float2bfloat16_rn(a1);
-            }
-          }
-          float v = act_value(f, a0, a1);
-          if (row_weights) v *= w;
-          out.v[j] = __float2bfloat16_rn(v);
-        }
-        if (br) {
-          store_lanes(ar + i, c0);
-          if (P == 2) store_lanes(ar + F + i, c1);
-        }
-        store_lanes(h + cur.r * F + i, out);
-      }
+// One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
+// bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
+// unrounded sum. Each thread takes kActLanes consecutive columns (F and H multiples of it, rows
+// 16-byte aligned: what the grouped GEMMs' TMA needs too).
+__global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
+                                   const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
+                                   __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int g = group_of(offsets, G, r);
+    if (g < 0) return;  // rows past offsets[G] are not ours (uniform per block)
+    const bool real = r < offsets[g] + rows[g];
+    __nv_bfloat16* ar = a + r * P * F;
+    __nv_bfloat16* hr = h + r * F;
+    if (!real) {
+      zero_row(ar, P * F);
+      zero_row(hr, F);
+      zero_row(y + r * H, H);
+      continue;
     }
-    cur = nxt;
-    c0 = n0;
-    c1 = n1;
-  }
-  // y's padding rows, H columns wide: a second walk over the range.
-  ActRows again(offsets, rows, G, F);
-  for (int64_t r = again.begin; r < again.end; ++r) {
-    if (again.real(r)) continue;
-    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < H; i += blockDim.x * int64_t{kActLanes})
-      store_lanes(y + r * H + i, zero_lanes());
+    const float w = row_weights ? row_weights[r] : 1.0f;
+    const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
+    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
+      ActLanes x0 = load_act(ar + i), x1 = x0, out;
+      if (P == 2) x1 = load_act(ar + F + i);
+      ActLanes b0, b1;
+      if (br) {
+        b0 = load_act(br + i);
+        if (P == 2) b1 = load_act(br + F + i);
+      }
+#pragma unroll
+      for (int j = 0; j < kActLanes; ++j) {
+        float a0 = __bfloat162float(x0.v[j]);
+        float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
+        if (br) {
+          a0 += __bfloat162float(b0.v[j]);
+          x0.v[j] = __float2bfloat16_rn(a0);
+          if (P == 2) {
+            a1 += __bfloat162float(b1.v[j]);
+            x1.v[j] = __float2bfloat16_rn(a1);
+          }
+        }
+        float v = act_value(f, a0, a1);
+        if (row_weights) v *= w;
+        out.v[j] = __float2bfloat16_rn(v);
+      }
+      if (br) {
+        store_lanes(ar + i, x0);
+        if (P == 2) store_lanes(ar + F + i, x1);
+      }
+      store_lanes(hr + i, out);
+    }
   }
 }
 
-// d_a from d_h and the saved a (d_a may alias a: each element is read before it is written, by the
-// same thread); the row-weight gradient by a fixed block reduction per row (each thread's columns in
-// order, then the warps in order); padding rows get d_row_weights 0 and d_a 0. Items as in
-// act_forward_kernel.
-template <int f>
-__global__ void __launch_bounds__(256, kActBlocksPerSm)
-    act_backward_kernel(int P, int64_t F, const int32_t* offsets, const int32_t* rows, int G, const float* row_weights,
-                        const __nv_bfloat16* a, const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
+// One block per row: d_a from d_h and the saved a (d_a may alias a: each element is read before it
+// is written, by the same thread); the row-weight gradient by a fixed block reduction; padding rows
+// get d_row_weights 0 and d_a 0. kActLanes consecutive columns per thread, as in act_forward_kernel.
+__global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
+                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
+                                    const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
   __shared__ float red[32];
-  ActRows range(offsets, rows, G, F);
-  auto load = [&](const ActItem& it, ActLanes& x0, ActLanes& x1, ActLanes& dh) {
-    const int64_t i = range.column(it.k);
-    if (!it.real || i >= F) return;
-    const __nv_bfloat16* ar = a + it.r * P * F;
-    x0 = load_act(ar + i);
-    x1 = P == 2 ? load_act(ar + F + i) : x0;
-    dh = load_act(d_h + it.r * F + i);
-  };
-  ActItem cur = range.first();
-  ActLanes c0, c1, cd;
-  if (cur.r < range.end) load(cur, c0, c1, cd);
-  float dw = 0.0f;
-  while (cur.r < range.end) {
-    const ActItem nxt = range.next(cur);
-    ActLanes n0, n1, nd;
-    if (nxt.r < range.end) load(nxt, n0, n1, nd);
-    const int64_t i = range.column(cur.k);
-    if (i < F) {
-      ActLanes o0 = zero_lanes(), o1 = zero_lanes();
-      if (cur.real) {
-        const float w = row_weights ? row_weights[cur.r] : 1.0f;
+  for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const int g = group_of(offsets, G, r);
+    if (g < 0) return;
+    const bool real = r < offsets[g] + rows[g];
+    const float w = row_weights && real ? row_weights[r] : 1.0f;
+    float dw = 0.0f;
+    const __nv_bfloat16* ar = a + r * P * F;
+    __nv_bfloat16* dar = d_a + r * P * F;
+    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
+      ActLanes o0, o1;
+      if (real) {
+        const ActLanes x0 = load_act(ar + i), dh = load_act(d_h + r * F + i);
+        ActLanes x1 = x0;
+        if (P == 2) x1 = load_act(ar + F + i);
 #pragma unroll
         for (int j = 0; j < kActLanes; ++j) {
-          const float a0 = __bfloat162float(c0.v[j]);
-          const float a1 = P == 2 ? __bfloat162float(c1.v[j]) : 0.0f;
+          const float a0 = __bfloat162float(x0.v[j]);
+          const float a1 = P == 2 ? __bfloat162float(x1.v[j]) : 0.0f;
           float v, g0, g1;
           act_grad(f, a0, a1, v, g0, g1);
-          float dact = __bfloat162float(cd.v[j]);
+          float dact = __bfloat162float(dh.v[j]);
           if (row_weights) {
             dw = fmaf(dact, v, dw);
             dact *= w;
@@ -295,27 +215,24 @@ __global__ void __launch_bounds__(256, kActBlocksPerSm)
           o0.v[j] = __float2bfloat16_rn(dact * g0);
           o1.v[j] = __float2bfloat16_rn(dact * g1);
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kActLanes; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
       }
-      __nv_bfloat16* dar = d_a + cur.r * P * F;
       store_lanes(dar + i, o0);
       if (P == 2) store_lanes(dar + F + i, o1);
     }
-    if (d_row_weights && cur.k == range.steps - 1) {  // the row's last step, on every thread at once
+    if (d_row_weights) {
       for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
       if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = dw;
       __syncthreads();
       if (threadIdx.x == 0) {
-        float sum = 0.0f;
-        for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) sum += red[k];
-        d_row_weights[cur.r] = cur.real ? sum : 0.0f;
+        float s = 0.0f;
+        for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) s += red[i];
+        d_row_weights[r] = real ? s : 0.0f;
       }
       __syncthreads();
-      dw = 0.0f;
     }
-    cur = nxt;
-    c0 = n0;
-    c1 = n1;
-    cd = nd;
   }
 }
 
@@ -422,24 +339,6 @@ void require_16_byte_rows(const char* what, const void* p) {
           ", expected a 16-byte aligned address on the GPU (16-byte rows for the vector accesses and TMA)");
 }
 
-// One resident wave of the activation kernels: each block then walks one long range of rows with its
-// loads always one item ahead.
-int act_grid(int64_t rows) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, sm_count() * int64_t{kActBlocksPerSm})));
-}
-
-// Calls fn with std::integral_constant<int, f> for the activation code f (act_value's cases), so
-// each kernel instance holds one activation's arithmetic and registers.
-template <typename Fn>
-void with_activation(int f, Fn&& fn) {
-  switch (f) {
-    case 0: return fn(std::integral_constant<int, 0>{});
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    default: return fn(std::integral_constant<int, 3>{});
-  }
-}
-
 void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, int64_t F, int64_t H, int G,
                  cudaStream_t s) {
   const int32_t* off = t.offsets.ptr<int32_t>();
@@ -454,9 +353,7 @@ void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, 
   require_16_byte_rows("h", h);
   require_16_byte_rows("y", y);
   require_16_byte_rows("b_in", b_in);
-  with_activation(f, [&](auto act) {
-    act_forward_kernel<decltype(act)::value><<<act_grid(R), 256, 0, s>>>(p, F, H, off, rows, G, w, b_in, a, h, y);
-  });
+  act_forward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, H, R, off, rows, G, w, b_in, a, h, y);
   EPX_CHECK_LAUNCH("act_forward_kernel");
 }
 
@@ -471,9 +368,7 @@ void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, co
   require_16_byte_rows("a", a);
   require_16_byte_rows("d_h", d_h);
   require_16_byte_rows("d_a", d_a);
-  with_activation(f, [&](auto act) {
-    act_backward_kernel<decltype(act)::value><<<act_grid(R), 256, 0, s>>>(p, F, off, rows, G, w, a, d_h, d_a, d_w);
-  });
+  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
   EPX_CHECK_LAUNCH("act_backward_kernel");
 }
 
