@@ -6,7 +6,7 @@
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [forward]
 #                            [epbench] [eptrace]
-#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench] [pack]
+#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench] [abbuild] [ab] [pack]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -28,6 +28,12 @@
 # eptrace (2+ GPUs) traces bench_ep at EPTRACE_TOKENS tokens (default 128) with Nsight Systems and
 # writes per-kernel and timeline CSVs (eptrace_*.csv).
 # pack (last) leaves one archive of everything under $OUT, results.tgz.
+# abbuild builds the commit that scripts/ab_base.sh put into .carry/base (its epx CLI, into BASE_BUILD,
+# default build-base, beside the build step's build), and ab times `epx bench layer` on that build and
+# on this one in the same call: AB_ROUNDS rounds (default 2) over AB_PRESETS (default deepseek-v3
+# mixtral), the two builds' order swapped every round, AB_ARGS added to every run; AB_PROFILE=1 adds
+# one EPX_PROFILE run of each. ab.jsonl (and ab_profile.jsonl) carry a "build" field; the summary gives
+# each preset's mean times and this build's ratio to the base, and with AB_PROFILE the phases that moved.
 # pipeline benches the layer's chunked pipeline and communication overlap (PIPELINES, see the step).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
@@ -62,9 +68,30 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 summary "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tr '\n' ';')"
 
+gt=()
+[ -d .carry/googletest ] && gt=(-DEPX_GTEST_SOURCE="$PWD/.carry/googletest")
+BASE_BUILD=${BASE_BUILD:-build-base}
+if has abbuild; then
+  if [ ! -f .carry/base/.ab_commit ]; then
+    summary "abbuild: no .carry/base (scripts/ab_base.sh COMMIT puts one there)"
+    exit 1
+  fi
+  # In the background, beside the build step's build (the two share the machine's cores).
+  (
+    t0=$(date +%s)
+    if cmake -S .carry/base -B "$BASE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+         -DEPX_CUTLASS_DIR="$PWD/.carry/cutlass/include" "${gt[@]}" >"$OUT/build_base.log" 2>&1 &&
+       cmake --build "$BASE_BUILD" -j "$JOBS" --target epx_cli >>"$OUT/build_base.log" 2>&1; then
+      summary "abbuild: base $(cut -c1-12 .carry/base/.ab_commit) ok in $(( $(date +%s) - t0 )) s"
+    else
+      grep -E "error|Error" -A4 "$OUT/build_base.log" | head -30
+      summary "abbuild: FAILED (build_base.log)"
+    fi
+  ) &
+  base_pid=$!
+fi
+
 if has build; then
-  gt=()
-  [ -d .carry/googletest ] && gt=(-DEPX_GTEST_SOURCE="$PWD/.carry/googletest")
   t0=$(date +%s)
   # CMAKE_EXTRA (e.g. -DEPX_WITH_CUTLASS=OFF) and TARGETS (e.g. "epx_tests_gpu bench_router") narrow
   # a build to what a quick check needs; CMAKE_EXTRA=-DEPX_GEMM_TRIALS=ON adds the candidate grouped
@@ -79,6 +106,7 @@ if has build; then
   fi
   summary "build: ok in $(( $(date +%s) - t0 )) s"
 fi
+[ -n "${base_pid:-}" ] && wait "$base_pid"
 
 if has ncu; then
   if command -v ncu >/dev/null 2>&1; then
@@ -329,6 +357,64 @@ if has profile; then
   EPX_PROFILE=1 timeout 300 "$BUILD/bin/epx" bench layer --preset "${PROFILE_PRESET:-deepseek-v3,mixtral}" --iters 5 \
     >"$OUT/profile.jsonl" 2>"$OUT/profile.err" || summary "profile failed rc=$?"
   cat "$OUT/profile.jsonl"
+fi
+if has ab; then
+  base_tag="base:$(cut -c1-12 .carry/base/.ab_commit 2>/dev/null || echo unknown)"
+  ab_run() {  # ab_run SIDE ROUND PRESET FILE [env...]: one `epx bench layer`, its lines tagged with the build
+    local side=$1 round=$2 preset=$3 file=$4 bin=$BUILD/bin/epx tag=this
+    shift 4
+    [ "$side" = base ] && bin=$BASE_BUILD/bin/epx && tag=$base_tag
+    env "$@" timeout 300 "$bin" bench layer --preset "$preset" ${AB_ARGS:-} 2>>"$OUT/ab.err" |
+      sed "s/^{/{\"build\":\"$tag\",\"round\":$round,/" >>"$OUT/$file"
+  }
+  : >"$OUT/ab.jsonl"
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    order="base this"
+    [ $((round % 2)) -eq 0 ] && order="this base"
+    for preset in ${AB_PRESETS:-deepseek-v3 mixtral}; do
+      for side in $order; do ab_run "$side" "$round" "$preset" ab.jsonl; done
+    done
+  done
+  if [ -n "${AB_PROFILE:-}" ]; then
+    : >"$OUT/ab_profile.jsonl"
+    for preset in ${AB_PRESETS:-deepseek-v3 mixtral}; do
+      for side in base this; do ab_run "$side" 1 "$preset" ab_profile.jsonl EPX_PROFILE=1; done
+    done
+  fi
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
+import json, os, sys
+from collections import defaultdict
+out = sys.argv[1]
+def lines(name):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        return []
+    return [json.loads(l) for l in open(path) if l.startswith("{")]
+runs = defaultdict(list)
+for d in lines("ab.jsonl"):
+    runs[(d["preset"], d["build"] == "this")].append(d)
+mean = lambda xs: sum(xs) / len(xs)
+for preset in sorted({p for p, _ in runs}):
+    base, this = runs.get((preset, False), []), runs.get((preset, True), [])
+    if not base or not this:
+        print(f"ab {preset}: missing runs (base {len(base)}, this {len(this)}); see ab.err")
+        continue
+    b, t = mean([d["fwd_bwd_us"] for d in base]), mean([d["fwd_bwd_us"] for d in this])
+    bf, tf = mean([d["fwd_us"] for d in base]), mean([d["fwd_us"] for d in this])
+    print(f"ab {preset}: fwd {bf / 1e3:.3f} -> {tf / 1e3:.3f} ms, fwd+bwd {b / 1e3:.3f} -> {t / 1e3:.3f} ms "
+          f"(this / base {t / b:.4f}; runs: " + ", ".join(f"{d['fwd_bwd_us'] / 1e3:.2f}" for d in base) + " -> "
+          + ", ".join(f"{d['fwd_bwd_us'] / 1e3:.2f}" for d in this) + ")")
+prof = {(d["preset"], d["build"] == "this"): d for d in lines("ab_profile.jsonl")}
+for preset in sorted({p for p, _ in prof}):
+    base, this = prof.get((preset, False)), prof.get((preset, True))
+    if not base or not this:
+        continue
+    pb, pt = base["phases_ms_total"], this["phases_ms_total"]
+    moved = sorted(((pt.get(k, 0) / this["iters"] - pb.get(k, 0) / base["iters"], k) for k in set(pb) | set(pt)),
+                   key=lambda x: -abs(x[0]))
+    print(f"ab {preset} phases that moved most (ms an iteration, base -> this): " + "; ".join(
+        f"{k} {pb.get(k, 0) / base['iters']:.3f} -> {pt.get(k, 0) / this['iters']:.3f}" for _, k in moved[:6]))
+PY
 fi
 if has eptrace; then
   # Where decode-sized EP ops spend their time: an Nsight Systems trace of bench_ep at EPTRACE_TOKENS
