@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -288,6 +289,8 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
 // blocks spread each chunk as it lands (spread_slot: d_y = w * d_out into every expert row the slot
 // feeds, d_row_weights = <d_out, y>), a rank's own tokens straight from d_out. The phased path
 // spreads only after the last row has crossed the link, and sends the own rows through its window.
+std::atomic<int64_t> spread_launches{0};
+
 struct SpreadOverlapArgs {
   SendArgs send;
   SpreadArgs spread;
@@ -352,6 +355,7 @@ bool launch_spread_kernel(const SendArgs& sa, const SpreadArgs& pa, cudaStream_t
   const SpreadOverlapArgs args{sa, pa, send, false};
   combine_bwd_overlap_kernel<T, N, KMAX><<<send + spread, kWarps * 32, 0, stream>>>(args);
   EPX_CHECK_LAUNCH("combine_bwd_overlap_kernel");
+  spread_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -380,12 +384,10 @@ bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool v
                             : launch_dispatch<kWarps>(sa, ea, vec, inline_barrier, stream);
 }
 
+// Read at every call (a getenv next to a launch), so a test can compare both paths in one process.
 bool overlapped_spread_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EPX_COMBINE_BWD_KERNEL");
-    return v != nullptr && std::strcmp(v, "overlapped") == 0;
-  }();
-  return on;
+  const char* v = std::getenv("EPX_COMBINE_BWD_KERNEL");
+  return v != nullptr && std::strcmp(v, "overlapped") == 0;
 }
 
 bool launch_overlapped_spread(const SendArgs& sa, const SpreadArgs& pa, DType dtype, cudaStream_t stream) {
@@ -403,6 +405,8 @@ bool launch_overlapped_spread(const SendArgs& sa, const SpreadArgs& pa, DType dt
 }  // namespace epx::comm::ep_device
 
 namespace epx::comm {
+
+int64_t overlapped_spread_launches() { return ep_device::spread_launches.load(std::memory_order_relaxed); }
 
 bool ep_timeline_enabled() {
 #ifdef EPX_EP_TIMELINE
