@@ -109,8 +109,8 @@ __device__ bool wait_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
 
 // Item `item` of the readers' order: chunk c of source s, chunk-major and remote sources first, so
 // blocks meet the chunks in the order the senders produce them. Its slots are [first, first + n) of
-// source s (own_tokens: this rank's tokens, read from the source); false where the chunk is past the
-// source's count (n = 0, block-uniform).
+// source s (own_tokens: this rank's tokens, read from the source); n = 0 where the chunk is past the
+// source's count (block-uniform).
 struct ChunkItem {
   int c, s, first, n;
   bool local;
@@ -241,6 +241,18 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   }
 }
 
+// The overlapped dispatch's (and combine_backward's) sender blocks without an SM budget, and reader
+// blocks per SM (a budget caps them further); the measurements behind the defaults are at
+// launch_dispatch_kernel.
+int dispatch_send_blocks() {
+  static const int n = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
+  return n;
+}
+int dispatch_readers_per_sm() {
+  static const int n = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
+  return n;
+}
+
 template <class V, int W, bool kShared>
 bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inline_barrier, int expand_pieces,
                             cudaStream_t stream) {
@@ -254,14 +266,14 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
   // token's row over several sender warps at T=128, as the combine splits its rows, did not help
   // (2 / 4 / 8 warps per row: 27.5 / 27.9 / 28.5 us against 27.4).
   static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 25);
-  static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
+  const int send_blocks = dispatch_send_blocks();
   const int link_blocks =
       g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : send_blocks;
   const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + W - 1) / W, link_blocks)));
   // Enough expand blocks for every chunk of the largest batch, at most two per SM
   // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per
   // SM gave 255, 266, 275 us; with 64 senders 1 and 2 gave 228 and 220-222 us).
-  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
+  const int per_sm = dispatch_readers_per_sm();
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens) * expand_pieces;
   const int expand = static_cast<int>(std::min<int64_t>(
       {items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0), cap - send}));
@@ -289,8 +301,6 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
 // blocks spread each chunk as it lands (spread_slot: d_y = w * d_out into every expert row the slot
 // feeds, d_row_weights = <d_out, y>), a rank's own tokens straight from d_out. The phased path
 // spreads only after the last row has crossed the link, and sends the own rows through its window.
-std::atomic<int64_t> spread_launches{0};
-
 struct SpreadOverlapArgs {
   SendArgs send;
   SpreadArgs spread;
@@ -339,15 +349,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     spread_role<T, N, KMAX, kWarps>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
 }
 
+// Launches of combine_bwd_overlap_kernel in this process (overlapped_spread_launches).
+std::atomic<int64_t> spread_launches{0};
+
 template <class T, int N, int KMAX>
 bool launch_spread_kernel(const SendArgs& sa, const SpreadArgs& pa, cudaStream_t stream) {
   const DeviceGroup& g = sa.g;
   const int cap = resident_blocks<combine_bwd_overlap_kernel<T, N, KMAX>>(kWarps * 32);
-  // The dispatch's launch shape (its knobs too): 64 sender blocks, up to two spread blocks per SM.
-  static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
-  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
-  const int send =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, send_blocks)));
+  // The dispatch's launch shape without a budget: its sender blocks, up to its readers per SM.
+  const int per_sm = dispatch_readers_per_sm();
+  const int send = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, dispatch_send_blocks())));
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens);
   const int spread = static_cast<int>(std::min<int64_t>({items, static_cast<int64_t>(per_sm) * cuda::sm_count(),
                                                          static_cast<int64_t>(cap) - send}));
