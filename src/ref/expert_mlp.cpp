@@ -296,6 +296,11 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
 
 }  // namespace
 
+ActivationGrad activation_grad(Activation f, double a0, double a1) {
+  const ActGrad<double> g = act_grad(f, a0, a1);
+  return {g.act, g.d0, g.d1};
+}
+
 void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t) {
   if (wide(t.w_in.dtype()))
     forward_impl<double>(config, t);

@@ -13,6 +13,14 @@
 namespace epx::ref {
 
 void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t);
+
+/// The activation f at (a0, a1) (a1 unused when f is not gated) and its partial derivatives in a0
+/// and a1, in fp64: the reference FFN's own formulas, for tests that check GPU activations element
+/// by element.
+struct ActivationGrad {
+  double value, d0, d1;
+};
+ActivationGrad activation_grad(Activation f, double a0, double a1);
 void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g);
 
 }  // namespace epx::ref

@@ -22,6 +22,7 @@
 #include "epx/presets.h"
 #include "epx/quant.h"
 #include "gpu/gpu_test_util.h"
+#include "ref/expert_mlp.h"
 
 namespace epx {
 namespace {
@@ -580,31 +581,14 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
     }
 }
 
-// Host forms of the activations and their partial derivatives (grouped_gemm.h's definitions).
-struct ActValue {
-  double v, d0, d1;
-};
-ActValue act_on_host(Activation act, double a0, double a1) {
-  const double c = 0.7978845608028654, k = 0.044715;
-  const double t = std::tanh(c * (a0 + k * a0 * a0 * a0));
-  const double gelu = 0.5 * a0 * (1 + t), d_gelu = 0.5 * (1 + t) + 0.5 * a0 * (1 - t * t) * c * (1 + 3 * k * a0 * a0);
-  const double s = 1 / (1 + std::exp(-a0)), relu = a0 > 0 ? a0 : 0;
-  switch (act) {
-    case Activation::kSwiGLU: return {a0 * s * a1, a1 * s * (1 + a0 * (1 - s)), a0 * s};
-    case Activation::kGeGLU: return {gelu * a1, d_gelu * a1, gelu};
-    case Activation::kGelu: return {gelu, d_gelu, 0};
-    default: return {relu * relu, 2 * relu, 0};
-  }
-}
-
 // Every row of the activation kernels, whichever block and group boundary it falls on: ~6000 rows in
 // 60 groups (empty, one-row and padded ones), more rows than a launch has blocks, for a gated and a
 // plain activation; and every activation at F = 2056, where thread 0 takes two column steps a row and
 // the others one.
-// Checked element by element against the formulas applied to the GPU's own a (no GEMM rounding in
-// the comparison): h = act(a) [* w] on real rows, a, h, y zero on padding rows, rows past the layout
-// untouched; backward (consuming: d_a lands in a, d_h in h) d_a = d_h [* w] * d act / d a and
-// d_row_weights = sum d_h * act on real rows, zero on padding rows.
+// Checked element by element against the reference's formulas (ref::activation_grad) applied to the
+// GPU's own a (no GEMM rounding in the comparison): h = act(a) [* w] on real rows, a, h, y zero on
+// padding rows, rows past the layout untouched; backward (consuming: d_a lands in a, d_h in h)
+// d_a = d_h [* w] * d act / d a and d_row_weights = sum d_h * act on real rows, zero on padding rows.
 TEST(ExpertMlpGpu, ActivationKernelsCoverEveryRowAcrossBlocks) {
   EPX_REQUIRE_GROUPED();
   struct Shape2 {
@@ -661,11 +645,11 @@ TEST(ExpertMlpGpu, ActivationKernelsCoverEveryRowAcrossBlocks) {
                 expect_near(d_a.item(r * P * F + j), 0, 0, "padding d_a", r, j);
                 continue;
               }
-              const ActValue v = act_on_host(act, a0, a1);
-              expect_near(h_f.item(r * F + j), v.v * w, 1e-2 * std::fabs(v.v * w) + 1e-3, "h", r, j);
+              const ref::ActivationGrad v = ref::activation_grad(act, a0, a1);
+              expect_near(h_f.item(r * F + j), v.value * w, 1e-2 * std::fabs(v.value * w) + 1e-3, "h", r, j);
               const double dh = d_h.item(r * F + j);
-              dw += dh * v.v;
-              dw_scale += std::fabs(dh * v.v);
+              dw += dh * v.value;
+              dw_scale += std::fabs(dh * v.value);
               expect_near(d_a.item(r * P * F + j), dh * w * v.d0, 1e-2 * std::fabs(dh * w * v.d0) + 1e-3, "d_a0", r, j);
               if (P == 2)
                 expect_near(d_a.item(r * P * F + F + j), dh * w * v.d1, 1e-2 * std::fabs(dh * w * v.d1) + 1e-3, "d_a1",
