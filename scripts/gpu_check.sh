@@ -5,7 +5,7 @@
 # bench.jsonl (one JSON object per line), build.log, summary.txt.
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [forward]
-#                            [epbench] [eptrace]
+#                            [epbench] [eptrace] [scaling]
 #                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench] [abbuild] [ab] [pack]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
@@ -414,6 +414,67 @@ for preset in sorted({p for p, _ in prof}):
                    key=lambda x: -abs(x[0]))
     print(f"ab {preset} phases that moved most (ms an iteration, base -> this): " + "; ".join(
         f"{k} {pb.get(k, 0) / base['iters']:.3f} -> {pt.get(k, 0) / this['iters']:.3f}" for _, k in moved[:6]))
+PY
+fi
+if has scaling; then
+  # How the time per rank grows with the number of ranks, on one machine: for each R of SCALING_RANKS
+  # (default "2 N", N = the visible GPUs) the first R GPUs run bench_ep at SCALING_TOKENS (default
+  # "4096 128"; H=7168, E=256, K=8, both transports, 32-SM budget), the PyTorch dispatch/combine of
+  # the same shapes, `epx bench layer` (both presets) with one EPX_PROFILE run of DeepSeek-V3 for the
+  # phases, and the PyTorch layer; every line goes to scaling.jsonl (each carries its "ranks").
+  ngpu=$(nvidia-smi -L | wc -l)
+  default_ranks="2 $ngpu"
+  [ "$ngpu" -le 2 ] && default_ranks=$ngpu
+  : >"$OUT/scaling.jsonl"
+  for r in ${SCALING_RANKS:-$default_ranks}; do
+    if [ "$r" -gt "$ngpu" ]; then
+      summary "scaling: $r ranks asked, $ngpu GPUs visible: skipped"
+      continue
+    fi
+    vis=$(seq -s, 0 $((r - 1)))
+    for t in ${SCALING_TOKENS:-4096 128}; do
+      CUDA_VISIBLE_DEVICES=$vis timeout 300 "$BUILD/bin/bench_ep" --tokens "$t" --transport both \
+        >>"$OUT/scaling.jsonl" 2>>"$OUT/scaling.err" || summary "scaling: bench_ep R=$r T=$t failed rc=$?"
+      if [ -f .carry/bench/torch_ep_baseline.py ]; then
+        CUDA_VISIBLE_DEVICES=$vis PYTHONUNBUFFERED=1 timeout 240 python3 .carry/bench/torch_ep_baseline.py \
+          --tokens "$t" --hidden 7168 --experts 256 --modes dc --iters 10 >>"$OUT/scaling.jsonl" \
+          2>>"$OUT/scaling.err" || summary "scaling: torch dispatch/combine R=$r T=$t failed"
+      fi
+    done
+    CUDA_VISIBLE_DEVICES=$vis timeout 300 "$BUILD/bin/epx" bench layer --ranks "$r" >>"$OUT/scaling.jsonl" \
+      2>>"$OUT/scaling.err" || summary "scaling: epx bench layer R=$r failed rc=$?"
+    CUDA_VISIBLE_DEVICES=$vis EPX_PROFILE=1 timeout 300 "$BUILD/bin/epx" bench layer --ranks "$r" --preset deepseek-v3 \
+      --iters 5 2>>"$OUT/scaling.err" | sed 's/^{/{"profile":true,/' >>"$OUT/scaling.jsonl"
+    if [ -f .carry/bench/torch_ep_baseline.py ]; then
+      for shape in "--hidden 7168 --experts 256 --topk 8 --ffn 2048" "--hidden 4096 --experts 8 --topk 2 --ffn 14336"; do
+        CUDA_VISIBLE_DEVICES=$vis PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_layer_baseline.py \
+          --baseline .carry/bench/torch_ep_baseline.py --tokens 4096 $shape --modes layer --iters 10 \
+          >>"$OUT/scaling.jsonl" 2>>"$OUT/scaling.err" || summary "scaling: torch layer R=$r failed ($shape)"
+      done
+    fi
+  done
+  python3 - "$OUT/scaling.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for d in rows:
+    R = d.get("ranks")
+    if d.get("impl") == "torch" and "dispatch_us" in d:
+        print(f"scaling R={R} T={d['tokens']} torch: dispatch {d['dispatch_us']:.1f} us, combine {d['combine_us']:.1f} us")
+    elif d.get("op") == "dispatch+combine":
+        print(f"scaling R={R} T={d['tokens']} {d['transport']}: dispatch {d['dispatch_us']:.1f} us, combine "
+              f"{d['combine_us']:.1f} us, graph {d['dispatch_graph_us']:.1f} / {d['combine_graph_us']:.1f} us, "
+              f"fp8 dispatch {d['fp8_dispatch_us']:.1f} us, remote rows {d['remote_rows']:.0f}, "
+              f"registered {d['registered_bytes'] / 1e9:.3f} GB")
+    elif d.get("bench") == "layer" and not d.get("profile"):
+        print(f"scaling R={R} layer {d['preset']}: fwd {d['fwd_us'] / 1e3:.2f} ms, fwd+bwd {d['fwd_bwd_us'] / 1e3:.2f} ms, "
+              f"{d['fwd_bwd_over_floor']:.2f}x floor, {d['gpu_mem_used_gb']:.2f} GB")
+    elif d.get("impl") == "torch":
+        print(f"scaling R={R} torch layer H={d.get('hidden')} E={d.get('experts')}: " +
+              ", ".join(f"{k} {v}" for k, v in d.items() if k.endswith(("_ms", "_us", "_gb"))))
+    elif d.get("profile"):
+        n = d["iters"]
+        print(f"scaling R={R} profile {d['preset']} (ms an iteration): " +
+              "; ".join(f"{k} {v / n:.3f}" for k, v in sorted(d["phases_ms_total"].items(), key=lambda kv: -kv[1])))
 PY
 fi
 if has eptrace; then
