@@ -457,10 +457,16 @@ TEST(EpNcclGpuTransports, ZeroCopyMissingRankTimesOutWithItsName) {
   }
   auto groups = Group::create_all_local(cfg);
   std::vector<std::string> msgs(c.ranks);
+  // The joining ranks make their inputs first and start prepare together: the random inputs take
+  // host time that grows with the ranks (a receive buffer's worth of rows), and on 4 devices a joining
+  // rank that started late was reported missing beside the one that never joins.
+  detail::HostBarrier joined(c.ranks - 1);
   run_ranks(groups, [&](Group& g) {
     if (g.rank() == c.ranks - 1) return;  // this rank never joins
     const testing::EpInputs in = testing::ep_inputs(c, g.rank(), g.recv_capacity_rows());
-    Handle h = prepare(g, in.idx.to(g.device()), {});
+    const Tensor idx = in.idx.to(g.device());
+    joined.wait();
+    Handle h = prepare(g, idx, {});
     try {
       g.check();
     } catch (const Error& e) {
