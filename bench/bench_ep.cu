@@ -10,8 +10,7 @@
 // dispatch_us / combine_us are eager (host launches included); dispatch_graph_us / combine_graph_us
 // the same ops replayed from a CUDA graph. fp8_dispatch_us (and _graph_us): the dispatch of an x
 // already in FP8 with 1x128 scales; fp8_quantizing_dispatch_us: the bf16 x quantized on the way.
-// combine_backward_us (and _overlapped_us, zero-copy, EPX_COMBINE_BWD_KERNEL=overlapped): the combine's
-// backward with row weights and their gradient, as the layer runs it.
+// combine_backward_us: the combine's backward with row weights and their gradient, as the layer runs it.
 // usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N (default 32; 0 = no budget)]
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
@@ -164,24 +163,10 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     dispatch_forward(g, h, x, w, recv, rw);
     const double t_comb = timed([&](int) { combine_forward(g, h, recv, rw, out); });
     g.check();
-    // combine_backward as the layer calls it (d_out to every expert row times its weight, the weights'
-    // gradient from y = recv): the default path, and on zero-copy the opt-in overlapped kernel
-    // (EPX_COMBINE_BWD_KERNEL, read at every call; rank 0 sets it while every rank waits at the
-    // barrier, so no thread reads the environment meanwhile). -1 where it did not run.
+    // combine_backward as the layer calls it: d_out to every expert row times its weight, the weights'
+    // gradient from y = recv.
     Tensor d_y = Tensor::empty({cap, H}, DType::kBF16, dev), d_rw = Tensor::empty({cap}, DType::kF32, dev);
     const double t_cbwd = timed([&](int) { combine_backward(g, h, out, recv, rw, d_y, d_rw); });
-    double t_cbwd_overlapped = -1;
-    if (g.transport() == Transport::kZeroCopy) {
-      bar.wait();
-      if (g.rank() == 0) setenv("EPX_COMBINE_BWD_KERNEL", "overlapped", 1);
-      bar.wait();
-      const int64_t before = comm::overlapped_spread_launches();
-      const double us = timed([&](int) { combine_backward(g, h, out, recv, rw, d_y, d_rw); });
-      if (comm::overlapped_spread_launches() > before) t_cbwd_overlapped = us;
-      bar.wait();
-      if (g.rank() == 0) unsetenv("EPX_COMBINE_BWD_KERNEL");
-      bar.wait();
-    }
     g.check();
     // The same two ops replayed from a CUDA graph: what a caller that captures its step sees, without
     // the host's launch cost (which the eager timings above include: ~2 launches per op).
@@ -265,7 +250,6 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("dispatch_us", t_disp)
         .add("combine_us", t_comb)
         .add("combine_backward_us", t_cbwd)
-        .add("combine_backward_overlapped_us", t_cbwd_overlapped)
         .add("prepare_graph_us", g_prep)
         .add("dispatch_graph_us", g_disp)
         .add("combine_graph_us", g_comb)

@@ -17,12 +17,9 @@
 // whole grid must be resident (the launcher caps it by the occupancy); the senders come first.
 // The per-element work is a copy, so results are bit-identical to the phased path and to the
 // reference (same slots, same meta, same expert rows).
-// combine_backward's d_out rows take the same way (opt-in, combine_bwd_overlap_kernel below), with
-// the phased path's per-slot spread (spread_slot) in place of the expansion.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -45,10 +42,8 @@ struct OverlapArgs {
 };
 
 // Senders: the phased send kernel's loop over tokens, remote destinations only, plus the arrival.
-// Args: OverlapArgs or SpreadOverlapArgs (send, send_blocks, inline_barrier); kOp: the op a peer's
-// readiness is waited for (inline barrier).
-template <class V, int W, int kOp, class Args>
-__device__ void send_role(const Args& oa, int warp, int lane, uint32_t next) {
+template <class V, int W>
+__device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t next) {
   __shared__ int32_t slot_s[W][kMaxR];
   const SendArgs& a = oa.send;
   const DeviceGroup& g = a.g;
@@ -66,7 +61,7 @@ __device__ void send_role(const Args& oa, int warp, int lane, uint32_t next) {
     if (oa.inline_barrier) {
       if (lane == 0)
         for (int d = 0; d < g.R; ++d)
-          if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOp);
+          if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOpDispatch);
       __syncwarp();  // lane 0's acquire before every lane's stores
     }
     if (t == static_cast<int64_t>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
@@ -83,14 +78,13 @@ __device__ void send_role(const Args& oa, int warp, int lane, uint32_t next) {
   }
 }
 
-// Waits (thread 0 of the block) until chunk c of source s holds `n` arrivals, then takes them (op:
-// what a timeout names).
+// Waits (thread 0 of the block) until chunk c of source s holds `n` arrivals, then takes them.
 // false: the wait gave up (recorded in the group status like a barrier timeout) or the group was
 // already broken; the chunk's rows must not be read.
-__device__ bool take_chunk(const DeviceGroup& g, int s, int c, uint32_t n, int op = kOpDispatch) {
+__device__ bool take_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
   __shared__ int ok_s;
   if (threadIdx.x == 0) {
-    const bool ok = wait_arrivals(g, s, c, n, op);
+    const bool ok = wait_arrivals(g, s, c, n, kOpDispatch);
     if (ok) atomicSub(arrival(g, g.rank, s, c), n * kArrivalUnit);
     ok_s = ok;
   }
@@ -105,24 +99,6 @@ __device__ bool wait_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
   if (threadIdx.x == 0) ok_s = wait_arrivals(g, s, c, n, kOpDispatch);
   __syncthreads();
   return ok_s != 0;
-}
-
-// Item `item` of the readers' order: chunk c of source s, chunk-major and remote sources first, so
-// blocks meet the chunks in the order the senders produce them. Its slots are [first, first + n) of
-// source s (own_tokens: this rank's tokens, read from the source); n = 0 where the chunk is past the
-// source's count (block-uniform).
-struct ChunkItem {
-  int c, s, first, n;
-  bool local;
-};
-__device__ __forceinline__ ChunkItem chunk_item(const DeviceGroup& g, int own_tokens, const int32_t* recv_tokens,
-                                                int64_t item) {
-  const int c = static_cast<int>(item / g.R);
-  const int s = (g.rank + 1 + static_cast<int>(item % g.R)) % g.R;
-  const bool local = s == g.rank;
-  const int count = local ? own_tokens : recv_tokens[s];
-  const int first = c * kArrivalChunk;
-  return ChunkItem{c, s, first, first >= count ? 0 : min(kArrivalChunk, count - first), local};
 }
 
 // Token t of this rank, routed here (its slot to itself), expanded straight from x: the same meta
@@ -182,13 +158,18 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
   // row leaves most expand blocks idle and each row one long chain of loads and stores.
   const int64_t nvec = a.row_bytes / static_cast<int64_t>(sizeof(V));
   const int P = kShared ? pieces_for(slots, static_cast<int64_t>(xn) * W, nvec, oa.expand_pieces) : 1;
-  // Items (chunk_item, piece).
+  // Items (chunk c, source s, piece): chunk-major, remote sources first, so blocks meet the chunks
+  // in the order the senders produce them.
   for (int64_t it = xb; it < static_cast<int64_t>(maxc) * R * P; it += xn) {
     const int piece = static_cast<int>(it % P);
-    const ChunkItem ci = chunk_item(g, sa.T, a.recv_tokens, it / P);
-    if (ci.n == 0) continue;  // block-uniform
-    const int c = ci.c, s = ci.s, first = ci.first, n = ci.n;
-    const bool local = ci.local;
+    const int64_t item = it / P;
+    const int c = static_cast<int>(item / R);
+    const int s = (g.rank + 1 + static_cast<int>(item % R)) % R;
+    const bool local = s == g.rank;
+    const int count = local ? sa.T : a.recv_tokens[s];
+    const int first = c * kArrivalChunk;
+    if (first >= count) continue;  // block-uniform
+    const int n = min(kArrivalChunk, count - first);
     if (!local && !(kShared ? wait_chunk(g, s, c, static_cast<uint32_t>(n))
                             : take_chunk(g, s, c, static_cast<uint32_t>(n))))
       continue;
@@ -215,7 +196,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   EPX_STAMP_GRID(a.send_blocks);
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
   EPX_STAMP(kTlBarrier);
-  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W, kOpDispatch>(a, warp, lane, next);
+  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane, next);
   else expand_role<V, W, kShared>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
   EPX_STAMP(kTlRoleDone);
 #ifdef EPX_EP_TIMELINE
@@ -241,18 +222,6 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   }
 }
 
-// The overlapped dispatch's (and combine_backward's) sender blocks without an SM budget, and reader
-// blocks per SM (a budget caps them further); the measurements behind the defaults are at
-// launch_dispatch_kernel.
-int dispatch_send_blocks() {
-  static const int n = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
-  return n;
-}
-int dispatch_readers_per_sm() {
-  static const int n = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
-  return n;
-}
-
 template <class V, int W, bool kShared>
 bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inline_barrier, int expand_pieces,
                             cudaStream_t stream) {
@@ -266,14 +235,14 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
   // token's row over several sender warps at T=128, as the combine splits its rows, did not help
   // (2 / 4 / 8 warps per row: 27.5 / 27.9 / 28.5 us against 27.4).
   static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 25);
-  const int send_blocks = dispatch_send_blocks();
+  static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
   const int link_blocks =
       g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : send_blocks;
   const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + W - 1) / W, link_blocks)));
   // Enough expand blocks for every chunk of the largest batch, at most two per SM
   // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per
   // SM gave 255, 266, 275 us; with 64 senders 1 and 2 gave 228 and 220-222 us).
-  const int per_sm = dispatch_readers_per_sm();
+  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens) * expand_pieces;
   const int expand = static_cast<int>(std::min<int64_t>(
       {items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0), cap - send}));
@@ -294,81 +263,6 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
                       : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);
   return pieces > 1 ? launch_dispatch_kernel<uint8_t, W, true>(sa, ea, inline_barrier, pieces, stream)
                     : launch_dispatch_kernel<uint8_t, W, false>(sa, ea, inline_barrier, 1, stream);
-}
-
-// combine_backward in one launch (EPX_COMBINE_BWD_KERNEL=overlapped; not the default until measured):
-// the d_out rows travel as dispatch's rows do (send_role, arrival counters per chunk), and the other
-// blocks spread each chunk as it lands (spread_slot: d_y = w * d_out into every expert row the slot
-// feeds, d_row_weights = <d_out, y>), a rank's own tokens straight from d_out. The phased path
-// spreads only after the last row has crossed the link, and sends the own rows through its window.
-struct SpreadOverlapArgs {
-  SendArgs send;
-  SpreadArgs spread;
-  int send_blocks;
-  bool inline_barrier;  // always false: the caller runs the before-write barrier
-};
-
-template <class T, int N, int KMAX, int W>
-__device__ void spread_role(const SpreadOverlapArgs& oa, int xb, int xn, int warp, int lane) {
-  __shared__ int32_t rows_s[W][kMaxK];
-  __shared__ float w_s[W][kMaxK];
-  const SpreadArgs& a = oa.spread;
-  const SendArgs& sa = oa.send;
-  const DeviceGroup& g = a.g;
-  const int R = g.R;
-  for (int j = xb * W + warp; j < g.Le; j += xn * W) spread_zero_padding<T, N>(a, j, lane);
-  int maxc = arrival_chunks(sa.T);
-  for (int s = 0; s < R; ++s)
-    if (s != g.rank) maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
-  for (int64_t item = xb; item < static_cast<int64_t>(maxc) * R; item += xn) {
-    const ChunkItem ci = chunk_item(g, sa.T, a.recv_tokens, item);
-    if (ci.n == 0) continue;  // block-uniform
-    const int s = ci.s, first = ci.first, n = ci.n;
-    if (!ci.local && !take_chunk(g, s, ci.c, static_cast<uint32_t>(n), kOpCombineBwd)) continue;
-    for (int i = warp; i < n; i += W) {
-      if (ci.local) {
-        const int64_t t = first + i;
-        const int32_t slot = sa.token_slot[t * R + g.rank];
-        if (slot < 0) continue;  // warp-uniform
-        spread_slot<T, N, KMAX>(a, sa.rows + t * sa.row_bytes, g.rank, slot, lane, rows_s[warp], w_s[warp], false);
-      } else {
-        spread_slot<T, N, KMAX>(a, in_row(g, s, first + i, a.stride), s, first + i, lane, rows_s[warp], w_s[warp],
-                                true);
-      }
-    }
-  }
-}
-
-template <class T, int N, int KMAX>
-__global__ void __launch_bounds__(kWarps * 32, 2)
-    combine_bwd_overlap_kernel(const __grid_constant__ SpreadOverlapArgs a) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (static_cast<int>(blockIdx.x) < a.send_blocks)
-    send_role<uint4, kWarps, kOpCombineBwd>(a, warp, lane, 0);
-  else
-    spread_role<T, N, KMAX, kWarps>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
-}
-
-// Launches of combine_bwd_overlap_kernel in this process (overlapped_spread_launches).
-std::atomic<int64_t> spread_launches{0};
-
-template <class T, int N, int KMAX>
-bool launch_spread_kernel(const SendArgs& sa, const SpreadArgs& pa, cudaStream_t stream) {
-  const DeviceGroup& g = sa.g;
-  const int cap = resident_blocks<combine_bwd_overlap_kernel<T, N, KMAX>>(kWarps * 32);
-  // The dispatch's launch shape without a budget: its sender blocks, up to its readers per SM.
-  const int per_sm = dispatch_readers_per_sm();
-  const int send = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>((sa.T + kWarps - 1) / kWarps, dispatch_send_blocks())));
-  const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens);
-  const int spread = static_cast<int>(std::min<int64_t>({items, static_cast<int64_t>(per_sm) * cuda::sm_count(),
-                                                         static_cast<int64_t>(cap) - send}));
-  if (spread < 1) return false;  // the grid could not be resident: the phased path
-  const SpreadOverlapArgs args{sa, pa, send, false};
-  combine_bwd_overlap_kernel<T, N, KMAX><<<send + spread, kWarps * 32, 0, stream>>>(args);
-  EPX_CHECK_LAUNCH("combine_bwd_overlap_kernel");
-  spread_launches.fetch_add(1, std::memory_order_relaxed);
-  return true;
 }
 
 }  // namespace
@@ -396,29 +290,9 @@ bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool v
                             : launch_dispatch<kWarps>(sa, ea, vec, inline_barrier, stream);
 }
 
-// Read at every call (a getenv next to a launch), so a test can compare both paths in one process.
-bool overlapped_spread_enabled() {
-  const char* v = std::getenv("EPX_COMBINE_BWD_KERNEL");
-  return v != nullptr && std::strcmp(v, "overlapped") == 0;
-}
-
-bool launch_overlapped_spread(const SendArgs& sa, const SpreadArgs& pa, DType dtype, cudaStream_t stream) {
-  const DeviceGroup& g = sa.g;
-  if (g.R > kMaxR || sa.K > 16 || pa.K != sa.K || g.sm_budget > 0) return false;
-  if (dtype == DType::kBF16)
-    return sa.K <= 8 ? launch_spread_kernel<__nv_bfloat16, 8, 8>(sa, pa, stream)
-                     : launch_spread_kernel<__nv_bfloat16, 8, 16>(sa, pa, stream);
-  if (dtype == DType::kF32)
-    return sa.K <= 8 ? launch_spread_kernel<float, 4, 8>(sa, pa, stream)
-                     : launch_spread_kernel<float, 4, 16>(sa, pa, stream);
-  return false;  // other dtypes: the phased path
-}
-
 }  // namespace epx::comm::ep_device
 
 namespace epx::comm {
-
-int64_t overlapped_spread_launches() { return ep_device::spread_launches.load(std::memory_order_relaxed); }
 
 bool ep_timeline_enabled() {
 #ifdef EPX_EP_TIMELINE

@@ -209,103 +209,6 @@ __device__ __forceinline__ P load_pack(const P* p, bool cg) {
   return r;
 }
 
-struct SpreadArgs {
-  DeviceGroup g;
-  int K;
-  int64_t H;
-  const int32_t* recv_tokens;
-  const int32_t* recv_row;
-  const int32_t* offsets;
-  const int32_t* expert_rows;
-  const void* y;               // read only with d_row_weights
-  const float* row_weights;    // or null
-  void* d_y;
-  float* d_row_weights;        // or null
-  int64_t stride;              // bytes per received slot
-};
-
-// Lane k < K: the expert row that slot `slot` of source s feeds through its k-th pick (-1: none),
-// and that row's weight in w (1 without row weights). Lanes >= K get -1 and 1.
-__device__ __forceinline__ int32_t slot_row(const DeviceGroup& g, const int32_t* recv_row, const float* row_weights,
-                                            int K, int s, int slot, int lane, float& w) {
-  int32_t row = -1;
-  w = 1.0f;
-  if (lane < K) {
-    row = recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * K + lane];
-    if (row >= 0 && row_weights) w = row_weights[row];
-  }
-  return row;
-}
-
-// combine_backward's expert side for one received slot (slot `slot` of source s, its d_out row at
-// src): every expert row it feeds gets d_y = w * d_out (d_out itself without row weights), and with
-// d_row_weights the row's <d_out, y>. rows_s / w_s: kMaxK entries of the warp's own. cg: src is a
-// window area peers write during this launch (load_pack).
-template <class T, int N, int KMAX>
-__device__ __forceinline__ void spread_slot(const SpreadArgs& a, const void* src, int s, int slot, int lane,
-                                            int32_t* rows_s, float* w_s, bool cg) {
-  using P = Pack<T, N>;
-  const DeviceGroup& g = a.g;
-  const int64_t nvec = a.H / N;
-  float w;
-  const int32_t row = slot_row(g, a.recv_row, a.row_weights, a.K, s, slot, lane, w);
-  rows_s[lane] = row;
-  w_s[lane] = w;
-  __syncwarp();
-  float dot[KMAX];
-#pragma unroll
-  for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
-  const P* gin = static_cast<const P*>(src);
-  for (int64_t v = lane; v < nvec; v += 32) {
-    const P gp = load_pack(gin + v, cg);
-    float gf[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) gf[i] = cuda::to_float(gp.v[i]);
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      if (k >= a.K) break;
-      const int32_t r = rows_s[k];
-      if (r < 0) continue;
-      P o;
-      if (a.row_weights) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(w_s[k] * gf[i]);
-      } else {
-        o = gp;
-      }
-      static_cast<P*>(a.d_y)[r * nvec + v] = o;
-      if (a.d_row_weights) {
-        const P yp = static_cast<const P*>(a.y)[r * nvec + v];
-#pragma unroll
-        for (int i = 0; i < N; ++i) dot[k] = fmaf(gf[i], cuda::to_float(yp.v[i]), dot[k]);
-      }
-    }
-  }
-  if (a.d_row_weights) {
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      if (k >= a.K) break;
-      float d = dot[k];
-#pragma unroll
-      for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-      if (lane == 0 && rows_s[k] >= 0) a.d_row_weights[rows_s[k]] = d;
-    }
-  }
-  __syncwarp();
-}
-
-// The padding rows of local expert j (one warp): d_y and d_row_weights zero.
-template <class T, int N>
-__device__ __forceinline__ void spread_zero_padding(const SpreadArgs& a, int j, int lane) {
-  using P = Pack<T, N>;
-  const int64_t nvec = a.H / N;
-  for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
-    P* d = static_cast<P*>(a.d_y) + r * nvec;
-    for (int64_t v = lane; v < nvec; v += 32) d[v] = P{};
-    if (lane == 0 && a.d_row_weights) a.d_row_weights[r] = 0.0f;
-  }
-}
-
 // ---- dispatch: rows out, rows expanded ----------------------------------------------------------
 
 // Vectors r of one row to every expert row in rows[0..K) that is >= 0: each piece of the source is
@@ -441,10 +344,14 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   using P = Pack<T, N>;
   const DeviceGroup& g = a.g;
   const int64_t nvec = a.H / N;
-  float w;
-  const int32_t row = slot_row(g, a.recv_row, a.row_weights, a.K, s, slot, lane, w);
-  if (row >= 0 && a.row_scalars && r.begin == 0)  // row >= 0 only on lanes < K
-    out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+  int32_t row = -1;
+  float w = 1.0f;
+  if (lane < a.K) {
+    row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
+    if (row >= 0 && a.row_weights) w = a.row_weights[row];
+    if (row >= 0 && a.row_scalars && r.begin == 0)
+      out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
+  }
   // The slots' rows that live here, compacted in slot order (the others add nothing).
   const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
   if (lane < a.K && row >= 0) {
@@ -593,12 +500,6 @@ bool overlapped_dispatch_enabled();
 /// must not have run one.
 bool launch_overlapped_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool inline_barrier,
                                 cudaStream_t stream);
-/// combine_backward in one launch (dispatch_overlap.cu), EPX_COMBINE_BWD_KERNEL=overlapped turns it
-/// on (off by default: not yet measured). Launched after the before-write barrier, with 16-byte rows
-/// (bf16 or fp32), K <= 16 and no SM budget; false (nothing launched) otherwise or where the grid
-/// could not be resident, then the caller runs the phased path.
-bool overlapped_spread_enabled();
-bool launch_overlapped_spread(const SendArgs& sa, const SpreadArgs& pa, DType dtype, cudaStream_t stream);
 /// Whether the overlapped launches hold their op's opening barrier (the default; EPX_EP_BARRIER=launch
 /// puts it in a launch of its own before them).
 bool inline_barrier_enabled();

@@ -233,24 +233,93 @@ __global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
 
 // ---- combine_backward: spread the received d_out rows -----------------------------------------
 
+struct SpreadArgs {
+  DeviceGroup g;
+  int K;
+  int64_t H;
+  const int32_t* recv_tokens;
+  const int32_t* recv_row;
+  const int32_t* offsets;
+  const int32_t* expert_rows;
+  const void* y;               // read only with d_row_weights
+  const float* row_weights;    // or null
+  void* d_y;
+  float* d_row_weights;        // or null
+  int64_t stride;              // bytes per received slot
+};
+
 template <class T, int N, int KMAX>
 __global__ void __launch_bounds__(kThreads) spread_kernel(SpreadArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
   __shared__ int32_t rows_s[kWarps][kMaxK];
   __shared__ float w_s[kWarps][kMaxK];
+  using P = Pack<T, N>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
   load_prefix(a.recv_tokens, g.R, prefix);
-  const int64_t received = prefix[g.R], items = received + g.Le;
+  const int64_t received = prefix[g.R], items = received + g.Le, nvec = a.H / N;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
     if (it >= received) {
-      spread_zero_padding<T, N>(a, static_cast<int>(it - received), lane);
+      const int j = static_cast<int>(it - received);
+      for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
+        P* d = static_cast<P*>(a.d_y) + r * nvec;
+        for (int64_t v = lane; v < nvec; v += 32) d[v] = P{};
+        if (lane == 0 && a.d_row_weights) a.d_row_weights[r] = 0.0f;
+      }
       continue;
     }
     int s, slot;
     item_source(prefix, g.R, it, s, slot);
-    spread_slot<T, N, KMAX>(a, in_row(g, s, slot, a.stride), s, slot, lane, rows_s[warp], w_s[warp], false);
+    int32_t row = -1;
+    float w = 1.0f;
+    if (lane < a.K) {
+      row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
+      if (row >= 0 && a.row_weights) w = a.row_weights[row];
+    }
+    rows_s[warp][lane] = row;
+    w_s[warp][lane] = w;
+    __syncwarp();
+    float dot[KMAX];
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
+    const P* gin = reinterpret_cast<const P*>(in_row(g, s, slot, a.stride));
+    for (int64_t v = lane; v < nvec; v += 32) {
+      const P gp = gin[v];
+      float gf[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) gf[i] = cuda::to_float(gp.v[i]);
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        if (k >= a.K) break;
+        const int32_t r = rows_s[warp][k];
+        if (r < 0) continue;
+        P o;
+        if (a.row_weights) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(w_s[warp][k] * gf[i]);
+        } else {
+          o = gp;
+        }
+        static_cast<P*>(a.d_y)[r * nvec + v] = o;
+        if (a.d_row_weights) {
+          const P yp = static_cast<const P*>(a.y)[r * nvec + v];
+#pragma unroll
+          for (int i = 0; i < N; ++i) dot[k] = fmaf(gf[i], cuda::to_float(yp.v[i]), dot[k]);
+        }
+      }
+    }
+    if (a.d_row_weights) {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        if (k >= a.K) break;
+        float d = dot[k];
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+        if (lane == 0 && rows_s[warp][k] >= 0) a.d_row_weights[rows_s[warp][k]] = d;
+      }
+    }
+    __syncwarp();
   }
 }
 
@@ -542,9 +611,6 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
     const bool vec = pa.H % N == 0 && aligned16(sa.rows) && aligned16(pa.d_y) && (!pa.y || aligned16(pa.y)) &&
                      sa.stride % 16 == 0;
     link.before_write(g, kOpCombineBwd, s);
-    if (vec && link.device_barriers() && overlapped_spread_enabled() &&
-        launch_overlapped_spread(sa, pa, d_out.dtype(), s))
-      return;
     launch_send_rows(sa, h.num_tokens, vec, s);
     Delivery d;
     d.op_code = kOpCombineBwd;

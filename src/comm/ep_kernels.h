@@ -134,9 +134,6 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
 void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const TensorRef& d_out,
                  const TensorRef& y, const TensorRef& row_weights, const TensorRef& d_y,
                  const TensorRef& d_row_weights, Stream stream);
-/// How many combine_backward launches took the overlapped kernel in this process
-/// (EPX_COMBINE_BWD_KERNEL=overlapped, read at every call): tests check that they ran it.
-int64_t overlapped_spread_launches();
 
 /// Sum of an fp32/fp64 buffer over the group in rank order (acc = 0, then + rank 0, 1, ...).
 /// Zero-copy: a buffer that fits the windows' reduce regions in one launch; a larger one, and every

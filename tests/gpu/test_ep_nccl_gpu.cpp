@@ -309,52 +309,6 @@ TEST(EpNcclGpuTransports, SmBudgetDoesNotChangeResults) {
   }
 }
 
-// EPX_COMBINE_BWD_KERNEL=overlapped runs combine_backward in one launch (the spread overlapping the
-// transfer, a rank's own tokens read from d_out) with the phased path's per-slot arithmetic: every
-// output equals the phased run's bit for bit and matches the reference, on skewed routing with masked
-// slots, a rank without tokens, K = 12 over model-sized rows (the K <= 16 kernel), and fp32 rows.
-// The launch counter shows the overlapped kernel ran (it falls back to the phased path silently).
-TEST(EpNcclGpuTransports, OverlappedCombineBackwardIsBitIdenticalToPhased) {
-  EPX_REQUIRE_GPUS(2);
-  std::vector<EpCase> cases;
-  EpCase skewed = small_skewed_case();
-  skewed.K = 6;
-  cases.push_back(skewed);
-  EpCase empty_rank = small_skewed_case();
-  empty_rank.tokens.assign(static_cast<size_t>(empty_rank.ranks), 150);
-  empty_rank.tokens[0] = 0;
-  cases.push_back(empty_rank);
-  EpCase wide = base_case();
-  wide.K = 12;
-  wide.E = 16 * wide.ranks;
-  wide.H = 7168;
-  wide.max_tokens = 24;
-  cases.push_back(wide);
-  EpCase f32 = small_skewed_case();
-  f32.payload = DType::kF32;
-  cases.push_back(f32);
-  for (const EpCase& c : cases) {
-    SCOPED_TRACE(c.str());
-    GroupConfig cfg = c.group_config();
-    cfg.transport = Transport::kZeroCopy;
-    const std::vector<EpOutputs> phased = run_every_rank(c, cfg);
-    const int64_t before = comm::overlapped_spread_launches();
-    std::vector<EpOutputs> overlapped;
-    {
-      const detail::ScopedEnv kernel("EPX_COMBINE_BWD_KERNEL", "overlapped");
-      overlapped = run_every_rank(c, cfg);
-    }
-    EXPECT_GE(comm::overlapped_spread_launches() - before, c.ranks)
-        << "the overlapped kernel did not run on every rank";
-    const std::vector<EpOutputs> want = testing::ep_reference(c);
-    for (int r = 0; r < c.ranks; ++r) {
-      testing::expect_identical_ep_outputs(overlapped[r], phased[r],
-                                           detail::concat("rank ", r, ": overlapped vs phased"));
-      testing::expect_same_ep_outputs(overlapped[r], want[r], r);
-    }
-  }
-}
-
 // GroupConfig::staged_exact_sizes: each staged exchange moves only the slots a peer needs (counts
 // copied to the host by prepare); the results are the fixed-size exchanges' bit for bit, and a
 // prepare under CUDA graph capture is refused before anything is queued.
