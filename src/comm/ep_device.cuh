@@ -485,6 +485,11 @@ int resident_blocks(int threads) {
 /// SM, 16 is within its registers), combine 24 (three 8-warp blocks per SM by default).
 constexpr int kBudgetDispatchWarps = 16;
 constexpr int kBudgetCombineWarps = 24;
+/// The phased kernels (ep_kernels.cu) under a budget: 16 warps a block, within every one's registers
+/// without spills (up to 112 at 8 warps); combine_backward's spread (at most 64 registers) takes 32,
+/// about the 4-5 blocks of 8 warps it keeps resident per SM without a budget.
+constexpr int kBudgetPhasedWarps = 16;
+constexpr int kBudgetSpreadWarps = 32;
 
 /// The overlapped zero-copy combine and dispatch_backward (combine_overlap.cu), EPX_COMBINE_KERNEL=phased
 /// turns it off; launched after the before-write barrier, or holding it (inline_barrier, as the

@@ -21,6 +21,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "comm/ep_device.cuh"
@@ -166,30 +167,30 @@ __global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phas
 
 // ---- dispatch --------------------------------------------------------------------------------
 
-template <class V>
-__global__ void __launch_bounds__(kThreads) send_rows_kernel(SendArgs a) {
-  __shared__ int32_t slot_s[kWarps][kMaxR];
+template <class V, int W>
+__global__ void __launch_bounds__(W * 32) send_rows_kernel(SendArgs a) {
+  __shared__ int32_t slot_s[W][kMaxR];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
-  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * W;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     for (int d = lane; d < g.R; d += 32) slot_s[warp][d] = a.token_slot[t * g.R + d];
     __syncwarp();
     send_token<V>(a, t, lane, slot_s[warp]);
   }
 }
 
-template <class V>
-__global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
+template <class V, int W>
+__global__ void __launch_bounds__(W * 32) expand_rows_kernel(ExpandArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
-  __shared__ int32_t rows_s[kWarps][kMaxK];
+  __shared__ int32_t rows_s[W][kMaxK];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
   if (static_cast<int64_t>(a.offsets[g.Le]) > g.recv_capacity) return;  // overflow: nothing written
   load_prefix(a.recv_tokens, g.R, prefix);
   const int64_t received = prefix[g.R], items = received + g.Le;
-  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * W;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * W + warp; it < items; it += nw) {
     if (it >= received) {
       zero_padding_rows<V>(a, static_cast<int>(it - received), lane);
       continue;
@@ -201,17 +202,17 @@ __global__ void __launch_bounds__(kThreads) expand_rows_kernel(ExpandArgs a) {
 }
 
 // Expert side: one partial row per received (source, token), into the source's window.
-template <class T, int N>
-__global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
+template <class T, int N, int W>
+__global__ void __launch_bounds__(W * 32) reduce_send_kernel(ReduceArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
-  __shared__ int32_t rows_s[kWarps][kMaxK];
-  __shared__ float w_s[kWarps][kMaxK];
+  __shared__ int32_t rows_s[W][kMaxK];
+  __shared__ float w_s[W][kMaxK];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
   load_prefix(a.recv_tokens, g.R, prefix);
   const int64_t items = prefix[g.R];
-  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * W;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * W + warp; it < items; it += nw) {
     int s, slot;
     item_source(prefix, g.R, it, s, slot);
     reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], VecRange{0, a.H / N});
@@ -219,12 +220,12 @@ __global__ void __launch_bounds__(kThreads) reduce_send_kernel(ReduceArgs a) {
 }
 
 // Source side: out[t] = sum over ranks ascending of the partials that came back.
-template <class T, int N>
-__global__ void __launch_bounds__(kThreads) sum_partials_kernel(ReduceArgs a) {
-  __shared__ int32_t slot_s[kWarps][kMaxR];
+template <class T, int N, int W>
+__global__ void __launch_bounds__(W * 32) sum_partials_kernel(ReduceArgs a) {
+  __shared__ int32_t slot_s[W][kMaxR];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < a.T; t += nw) {
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * W;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     for (int d = lane; d < a.g.R; d += 32) slot_s[warp][d] = a.token_slot[t * a.g.R + d];
     __syncwarp();
     sum_partials<T, N>(a, t, lane, slot_s[warp], false, VecRange{0, a.H / N});
@@ -248,18 +249,18 @@ struct SpreadArgs {
   int64_t stride;              // bytes per received slot
 };
 
-template <class T, int N, int KMAX>
-__global__ void __launch_bounds__(kThreads) spread_kernel(SpreadArgs a) {
+template <class T, int N, int KMAX, int W>
+__global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
-  __shared__ int32_t rows_s[kWarps][kMaxK];
-  __shared__ float w_s[kWarps][kMaxK];
+  __shared__ int32_t rows_s[W][kMaxK];
+  __shared__ float w_s[W][kMaxK];
   using P = Pack<T, N>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.g;
   load_prefix(a.recv_tokens, g.R, prefix);
   const int64_t received = prefix[g.R], items = received + g.Le, nvec = a.H / N;
-  const int64_t nw = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarps + warp; it < items; it += nw) {
+  const int64_t nw = static_cast<int64_t>(gridDim.x) * W;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * W + warp; it < items; it += nw) {
     if (it >= received) {
       const int j = static_cast<int>(it - received);
       for (int64_t r = a.offsets[j] + a.expert_rows[j]; r < a.offsets[j + 1]; ++r) {
@@ -381,6 +382,15 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // Staged exact sizes: the host copy of a per-peer count, or null (whole regions).
 const int32_t* counts_or_null(const std::vector<int32_t>& v) { return v.empty() ? nullptr : v.data(); }
 
+// The phased kernels' warps per block: kWarps without an SM budget (several blocks per SM); under one
+// the grid is capped at the budget's block count, so each block takes kBudget warps instead, for
+// more rows in flight on each budgeted SM.
+template <int kBudget = kBudgetPhasedWarps, class F>
+void with_phased_warps(const DeviceGroup& g, F&& f) {
+  if (g.sm_budget > 0) f(std::integral_constant<int, kBudget>{});
+  else f(std::integral_constant<int, kWarps>{});
+}
+
 int grid_for(int64_t items, int cap_blocks) {
   const int64_t want = (items + kWarps - 1) / kWarps;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap_blocks)));
@@ -396,8 +406,11 @@ int receive_grid(const DeviceGroup& g) {
 // The phased send phase of dispatch and combine_backward: one warp per token on the link blocks.
 void launch_send_rows(const SendArgs& sa, int64_t tokens, bool vec, cudaStream_t s) {
   const int grid = grid_for(tokens, sa.g.send_blocks);
-  if (vec) send_rows_kernel<uint4><<<grid, kThreads, 0, s>>>(sa);
-  else send_rows_kernel<uint8_t><<<grid, kThreads, 0, s>>>(sa);
+  with_phased_warps(sa.g, [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    if (vec) send_rows_kernel<uint4, W><<<grid, W * 32, 0, s>>>(sa);
+    else send_rows_kernel<uint8_t, W><<<grid, W * 32, 0, s>>>(sa);
+  });
   EPX_CHECK_LAUNCH("send_rows_kernel");
 }
 
@@ -516,8 +529,11 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   d.recv_slots = counts_or_null(h.host_recv_tokens);
   link.deliver(g, d, s);
   const int expand_grid = receive_grid(g);
-  if (vec_out) expand_rows_kernel<uint4><<<expand_grid, kThreads, 0, s>>>(ea);
-  else expand_rows_kernel<uint8_t><<<expand_grid, kThreads, 0, s>>>(ea);
+  with_phased_warps(g, [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    if (vec_out) expand_rows_kernel<uint4, W><<<expand_grid, W * 32, 0, s>>>(ea);
+    else expand_rows_kernel<uint8_t, W><<<expand_grid, W * 32, 0, s>>>(ea);
+  });
   EPX_CHECK_LAUNCH("expand_rows_kernel");
 }
 
@@ -556,8 +572,11 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     // The expert-side reduction reads K rows per partial from HBM: it gets every SM (the link
     // traffic it issues is one row per partial).
     const int reduce_grid = grid_for(static_cast<int64_t>(g.R) * g.max_tokens, budget_blocks(g, cuda::sm_count() * 4));
-    if (vec) reduce_send_kernel<T, N><<<reduce_grid, kThreads, 0, s>>>(a);
-    else reduce_send_kernel<T, 1><<<reduce_grid, kThreads, 0, s>>>(a);
+    with_phased_warps(g, [&](auto w) {
+      constexpr int W = decltype(w)::value;
+      if (vec) reduce_send_kernel<T, N, W><<<reduce_grid, W * 32, 0, s>>>(a);
+      else reduce_send_kernel<T, 1, W><<<reduce_grid, W * 32, 0, s>>>(a);
+    });
     EPX_CHECK_LAUNCH("reduce_send_kernel");
     Delivery d;
     d.op_code = op_code;
@@ -568,8 +587,11 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
     d.recv_slots = counts_or_null(h.host_send_tokens);
     link.deliver(g, d, s);
     const int sum_grid = grid_for(a.T, budget_blocks(g, cuda::sm_count() * 8));
-    if (vec) sum_partials_kernel<T, N><<<sum_grid, kThreads, 0, s>>>(a);
-    else sum_partials_kernel<T, 1><<<sum_grid, kThreads, 0, s>>>(a);
+    with_phased_warps(g, [&](auto w) {
+      constexpr int W = decltype(w)::value;
+      if (vec) sum_partials_kernel<T, N, W><<<sum_grid, W * 32, 0, s>>>(a);
+      else sum_partials_kernel<T, 1, W><<<sum_grid, W * 32, 0, s>>>(a);
+    });
     EPX_CHECK_LAUNCH("sum_partials_kernel");
   });
 }
@@ -621,8 +643,11 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
     const int grid = receive_grid(g);
     auto launch = [&](auto kmax) {
       constexpr int KM = decltype(kmax)::value;
-      if (vec) spread_kernel<T, N, KM><<<grid, kThreads, 0, s>>>(pa);
-      else spread_kernel<T, 1, KM><<<grid, kThreads, 0, s>>>(pa);
+      with_phased_warps<kBudgetSpreadWarps>(g, [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        if (vec) spread_kernel<T, N, KM, W><<<grid, W * 32, 0, s>>>(pa);
+        else spread_kernel<T, 1, KM, W><<<grid, W * 32, 0, s>>>(pa);
+      });
     };
     if (h.topk <= 8) launch(std::integral_constant<int, 8>{});
     else if (h.topk <= 16) launch(std::integral_constant<int, 16>{});
