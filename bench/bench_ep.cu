@@ -24,7 +24,6 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "comm/ep_kernels.h"
 #include "comm/ep_timeline.h"
 #include "core/device_memory.h"
 #include "core/host_barrier.h"

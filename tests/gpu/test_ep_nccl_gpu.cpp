@@ -16,7 +16,6 @@
 #include <thread>
 #include <vector>
 
-#include "comm/ep_kernels.h"
 #include "core/host_barrier.h"
 #include "core/scoped_env.h"
 #include "core/window_layout.h"
