@@ -65,6 +65,18 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build tests memcheck bench)
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+# torch_layer PRESET OUT_FILE ERR_FILE: the PyTorch layer baseline at a preset's shape, T=4096 a rank,
+# its JSON line appended to OUT_FILE (false where it failed or the preset has no PyTorch shape).
+torch_layer() {
+  local shape
+  case $1 in
+    deepseek-v3) shape="--hidden 7168 --experts 256 --topk 8 --ffn 2048" ;;
+    mixtral) shape="--hidden 4096 --experts 8 --topk 2 --ffn 14336" ;;
+    *) return 1 ;;
+  esac
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_layer_baseline.py --baseline .carry/bench/torch_ep_baseline.py \
+    --tokens 4096 $shape --modes layer --iters 10 >>"$2" 2>>"$3"
+}
 
 summary "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tr '\n' ';')"
 
@@ -326,15 +338,8 @@ if has layer; then
     done
   done
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
-    lshapes=()
-    [[ " ${TORCH_LAYER:-deepseek-v3 mixtral} " == *" deepseek-v3 "* ]] &&
-      lshapes+=("--tokens 4096 --hidden 7168 --experts 256 --topk 8 --ffn 2048")
-    [[ " ${TORCH_LAYER:-deepseek-v3 mixtral} " == *" mixtral "* ]] &&
-      lshapes+=("--tokens 4096 --hidden 4096 --experts 8 --topk 2 --ffn 14336")
-    for shape in "${lshapes[@]}"; do
-      PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_layer_baseline.py --baseline .carry/bench/torch_ep_baseline.py \
-        $shape --modes layer --iters 10 >>"$OUT/layer.jsonl" 2>>"$OUT/layer.err" ||
-        summary "torch layer baseline failed for $shape"
+    for preset in ${TORCH_LAYER:-deepseek-v3 mixtral}; do
+      torch_layer "$preset" "$OUT/layer.jsonl" "$OUT/layer.err" || summary "torch layer baseline failed for $preset"
     done
   fi
   cat "$OUT/layer.jsonl"
@@ -446,10 +451,9 @@ if has scaling; then
     CUDA_VISIBLE_DEVICES=$vis EPX_PROFILE=1 timeout 300 "$BUILD/bin/epx" bench layer --ranks "$r" --preset deepseek-v3 \
       --iters 5 2>>"$OUT/scaling.err" | sed 's/^{/{"profile":true,/' >>"$OUT/scaling.jsonl"
     if [ -f .carry/bench/torch_ep_baseline.py ]; then
-      for shape in "--hidden 7168 --experts 256 --topk 8 --ffn 2048" "--hidden 4096 --experts 8 --topk 2 --ffn 14336"; do
-        CUDA_VISIBLE_DEVICES=$vis PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_layer_baseline.py \
-          --baseline .carry/bench/torch_ep_baseline.py --tokens 4096 $shape --modes layer --iters 10 \
-          >>"$OUT/scaling.jsonl" 2>>"$OUT/scaling.err" || summary "scaling: torch layer R=$r failed ($shape)"
+      for preset in deepseek-v3 mixtral; do
+        CUDA_VISIBLE_DEVICES=$vis torch_layer "$preset" "$OUT/scaling.jsonl" "$OUT/scaling.err" ||
+          summary "scaling: torch layer R=$r failed ($preset)"
       done
     fi
   done
