@@ -7,12 +7,13 @@
 //  - a send warp writes its token's row, scales and routing meta into each remote destination's
 //    window, then bumps the destination's arrival counter of that slot's chunk (kArrivalChunk slots
 //    of one source) by kArrivalUnit with a system-scope release;
-//  - an expand block takes chunk items (source, chunk) in an order that follows the senders (chunk
-//    index first), waits (acquire, with the group's timeout) until its remote chunk is complete,
-//    subtracts what it consumed (the counters are back at zero when the op ends, ready for the next
-//    one; the before-write barrier of that op orders the reset before any new arrival), and
-//    expands each row into every expert row it feeds, loading the row once for all of them;
-//  - rows a rank sends itself never go through its window: the expand blocks read them from x.
+//  - an expand crew (kArrivalChunk warps of an expand block) takes chunk items (source, chunk) in an
+//    order that follows the senders (chunk index first), waits (acquire, with the group's timeout)
+//    until its remote chunk is complete, subtracts what it consumed (the counters are back at zero
+//    when the op ends, ready for the next one; the before-write barrier of that op orders the reset
+//    before any new arrival), and expands each row into every expert row it feeds, loading the row
+//    once for all of them;
+//  - rows a rank sends itself never go through its window: the expand crews read them from x.
 // No block waits on another block of its own grid, but ranks wait on each other's senders, so the
 // whole grid must be resident (the launcher caps it by the occupancy); the senders come first.
 // The per-element work is a copy, so results are bit-identical to the phased path and to the
@@ -78,27 +79,47 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t ne
   }
 }
 
-// Waits (thread 0 of the block) until chunk c of source s holds `n` arrivals, then takes them.
-// false: the wait gave up (recorded in the group status like a barrier timeout) or the group was
-// already broken; the chunk's rows must not be read.
-__device__ bool take_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
-  __shared__ int ok_s;
-  if (threadIdx.x == 0) {
-    const bool ok = wait_arrivals(g, s, c, n, kOpDispatch);
-    if (ok) atomicSub(arrival(g, g.rank, s, c), n * kArrivalUnit);
-    ok_s = ok;
-  }
-  __syncthreads();
-  return ok_s != 0;
+// An expand block is split into crews of kArrivalChunk warps (one warp per slot of a chunk), each
+// taking chunk items of its own: a 16-warp block under an SM budget that took one chunk at a time
+// left half its warps idle at every chunk.
+constexpr int kCrewWarps = kArrivalChunk;
+template <int W>
+constexpr int crews_per_block() {
+  return W > kCrewWarps ? W / kCrewWarps : 1;
 }
 
-// The same wait without taking the arrivals, for chunks several blocks expand (each a piece of the
-// rows): the counters are zeroed by the last block of the grid instead.
-__device__ bool wait_chunk(const DeviceGroup& g, int s, int c, uint32_t n) {
-  __shared__ int ok_s;
-  if (threadIdx.x == 0) ok_s = wait_arrivals(g, s, c, n, kOpDispatch);
-  __syncthreads();
-  return ok_s != 0;
+// The barrier of the crew holding warp `warp`: the whole block where a block is one crew, else
+// named barrier 1 + crew over the crew's threads.
+template <int W>
+__device__ __forceinline__ void crew_sync(int warp) {
+  if constexpr (crews_per_block<W>() == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / kCrewWarps), "r"(kCrewWarps * 32) : "memory");
+  }
+}
+
+// Waits (the crew's first thread) until chunk c of source s holds `n` arrivals, then takes them
+// (take) or leaves them for the last block of the grid to zero (chunks several blocks expand, each
+// a piece of the rows). false: the wait gave up (recorded in the group status like a barrier
+// timeout) or the group was already broken; the chunk's rows must not be read.
+// The answer alternates between two words (`calls`: the crew's waits so far), so the first thread
+// never overwrites one that a slow thread of its crew has yet to read: the word of wait i is
+// written again at wait i + 2, behind the barrier of wait i + 1, which every thread reaches only
+// after reading it.
+template <int W>
+__device__ bool await_chunk(const DeviceGroup& g, int s, int c, uint32_t n, bool take, int warp, int lane,
+                            unsigned& calls) {
+  __shared__ int ok_s[crews_per_block<W>()][2];
+  const int crew = crews_per_block<W>() == 1 ? 0 : warp / kCrewWarps;
+  const int word = calls++ & 1u;
+  if (warp % kCrewWarps == 0 && lane == 0) {
+    const bool ok = wait_arrivals(g, s, c, n, kOpDispatch);
+    if (ok && take) atomicSub(arrival(g, g.rank, s, c), n * kArrivalUnit);
+    ok_s[crew][word] = ok;
+  }
+  crew_sync<W>(warp);
+  return ok_s[crew][word] != 0;
 }
 
 // Token t of this rank, routed here (its slot to itself), expanded straight from x: the same meta
@@ -126,14 +147,14 @@ __device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t 
   __syncwarp();
   copy_fanout<V>(sa.rows + t * sa.row_bytes, a.out, a.row_bytes, rows_s, K, lane, false, r);
   if (a.scale_bytes && lead)
-    copy_fanout<uint8_t>(sa.scales + t * sa.scale_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, false);
+    copy_fanout_short(sa.scales + t * sa.scale_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, false);
   __syncwarp();
 }
 
 // kShared: chunks may be split over several blocks (OverlapArgs::expand_pieces > 1), a kernel of its
 // own so that the default one keeps its registers.
 template <class V, int W, bool kShared>
-__device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int lane) {
+__device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, int warp, int lane) {
   __shared__ int32_t rows_s[W][kMaxK];
   const ExpandArgs& a = oa.expand;
   const SendArgs& sa = oa.send;
@@ -144,7 +165,11 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
 
   // Padding rows of the local experts (zeros), spread over the expand warps.
   if (write)
-    for (int j = xb * W + warp; j < g.Le; j += xn * W) zero_padding_rows<V>(a, j, lane);
+    for (int j = xb_block * W + warp; j < g.Le; j += xn_blocks * W) zero_padding_rows<V>(a, j, lane);
+  // From here on the crew is the unit: crew xb of xn, its warps cw = 0 .. kCrewWarps - 1.
+  constexpr int kCrews = crews_per_block<W>();
+  constexpr int kCW = W / kCrews;
+  const int xb = xb_block * kCrews + warp / kCW, xn = xn_blocks * kCrews, cw = warp % kCW;
 
   int maxc = arrival_chunks(sa.T);
   int64_t slots = sa.T;
@@ -157,9 +182,10 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
   // to that many blocks by ranges of their vectors, as the combine splits its rows: one warp per
   // row leaves most expand blocks idle and each row one long chain of loads and stores.
   const int64_t nvec = a.row_bytes / static_cast<int64_t>(sizeof(V));
-  const int P = kShared ? pieces_for(slots, static_cast<int64_t>(xn) * W, nvec, oa.expand_pieces) : 1;
-  // Items (chunk c, source s, piece): chunk-major, remote sources first, so blocks meet the chunks
+  const int P = kShared ? pieces_for(slots, static_cast<int64_t>(xn) * kCW, nvec, oa.expand_pieces) : 1;
+  // Items (chunk c, source s, piece): chunk-major, remote sources first, so crews meet the chunks
   // in the order the senders produce them.
+  unsigned waits = 0;
   for (int64_t it = xb; it < static_cast<int64_t>(maxc) * R * P; it += xn) {
     const int piece = static_cast<int>(it % P);
     const int64_t item = it / P;
@@ -170,13 +196,11 @@ __device__ void expand_role(const OverlapArgs& oa, int xb, int xn, int warp, int
     const int first = c * kArrivalChunk;
     if (first >= count) continue;  // block-uniform
     const int n = min(kArrivalChunk, count - first);
-    if (!local && !(kShared ? wait_chunk(g, s, c, static_cast<uint32_t>(n))
-                            : take_chunk(g, s, c, static_cast<uint32_t>(n))))
-      continue;
+    if (!local && !await_chunk<W>(g, s, c, static_cast<uint32_t>(n), !kShared, warp, lane, waits)) continue;
     if (it == xb) EPX_STAMP(kTlFirst);
     if (!write) continue;
     const VecRange r = piece_range(nvec, P, piece);
-    for (int i = warp; i < n; i += W) {
+    for (int i = cw; i < n; i += kCW) {
       if (local) expand_own_token<V>(oa, first + i, lane, rows_s[warp], r, piece == 0);
       else expand_received_slot<V>(a, s, first + i, lane, rows_s[warp], true, r, piece == 0);
     }
@@ -242,10 +266,12 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
   // Enough expand blocks for every chunk of the largest batch, at most two per SM
   // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per
   // SM gave 255, 266, 275 us; with 64 senders 1 and 2 gave 228 and 220-222 us).
-  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
+  const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens) * expand_pieces;
+  const int64_t crews = crews_per_block<W>();
   const int expand = static_cast<int>(std::min<int64_t>(
-      {items, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0), cap - send}));
+      {(items + crews - 1) / crews, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0),
+       cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
   OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier};
   dispatch_overlap_kernel<V, W, kShared><<<send + expand, W * 32, 0, stream>>>(a);
@@ -255,9 +281,16 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
 
 template <int W>
 bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool inline_barrier, cudaStream_t stream) {
-  // EPX_DISPATCH_EXPAND_PIECES (default 1: off; at most kMaxPieces): expand blocks a chunk's rows
-  // may be split over at decode sizes (expand_role). Not yet measured on a GPU.
-  static const int pieces = std::min(kMaxPieces, overlap_knob("EPX_DISPATCH_EXPAND_PIECES", 1));
+  // Small batches (decode) take the kernel whose expand crews split a chunk's rows over up to
+  // EPX_DISPATCH_EXPAND_PIECES crews (default kMaxPieces; 1 turns it off), where this rank's
+  // tokens times the ranks, a guess at the slots to expand, are at most half the expand warps (the
+  // device then splits each row over at least two). Measured at T=128, H=7168, K=8, no budget,
+  // 4 x H200: 25.6 -> 19.5 us at 2 ranks, 38.9 -> 37.5 us at 4.
+  static const int cap = std::min(kMaxPieces, overlap_knob("EPX_DISPATCH_EXPAND_PIECES", kMaxPieces));
+  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
+  const DeviceGroup& g = sa.g;
+  const int64_t expand_warps = static_cast<int64_t>(g.sm_budget > 0 ? g.sm_budget : per_sm * cuda::sm_count()) * W;
+  const int pieces = static_cast<int64_t>(sa.T) * g.R * 2 <= expand_warps ? cap : 1;
   if (vec)
     return pieces > 1 ? launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream)
                       : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);

@@ -162,6 +162,42 @@ TEST_P(EpNcclGpu, DecodeBatchesOfModelSizedRowsMatchReference) {
   }
 }
 
+// The zero-copy dispatch has two expand kernels: small batches (this rank's tokens x ranks at most
+// half the expand warps: 2 blocks of 8 warps per SM) split each row over several warps, larger ones
+// give a row to one warp. The other tests' batches are small; these span both sides of that line
+// with short rows, uniform and skewed routing, fp32 and bf16 rows that are not 16-byte multiples.
+TEST_P(EpNcclGpu, BatchesOnBothSidesOfTheDecodeKernelMatchReference) {
+  EPX_REQUIRE_GPUS(2);
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  EpCase b = base_case();
+  b.K = 8;
+  b.H = 64;
+  b.align = 16;
+  const int line = 2 * sms * 8 / (2 * b.ranks);  // tokens per rank at the line
+  b.max_tokens = line + 64;
+  auto groups = make(b);
+  for (int T : {line / 2, line + 64}) {
+    EpCase c = b;
+    c.tokens.assign(c.ranks, T);
+    c.zipf = 0;
+    c.seed = 21;
+    compare_all(c, groups);
+    c.zipf = 2;
+    c.tokens[0] = T - 3;
+    c.seed = 22;
+    compare_all(c, groups);
+    c.payload = DType::kF32;
+    c.seed = 23;
+    compare_all(c, groups);
+  }
+  EpCase odd = b;
+  odd.H = 61;  // rows of element-wise copies
+  auto odd_groups = make(odd);
+  odd.tokens.assign(odd.ranks, line + 64);
+  compare_all(odd, odd_groups);
+}
+
 // fp8 rows with fp32 1x128 scales and with e8m0 MX scales travel together; every received byte
 // equals the reference's. (The staged transport sends only H + scale bytes per row.)
 TEST_P(EpNcclGpu, QuantizedDispatchMatchesReference) {
