@@ -254,12 +254,14 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
   // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
   // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
   // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
-  // Without a budget, 64 sender blocks (EPX_DISPATCH_SEND_BLOCKS; measured at T=4096, H=7168 on
-  // 2 x H200: 32 / 48 / 64 / 96 gave 257 / 229 / 228 / 235 us, the same 27 us at T=128). Splitting a
+  // Without a budget, 96 sender blocks (EPX_DISPATCH_SEND_BLOCKS; measured at T=4096, H=7168 on
+  // 2 x H200 before the expand crews: 32 / 48 / 64 / 96 gave 257 / 229 / 228 / 235 us, the same
+  // 27 us at T=128; with them, on 2 x H100, 64 / 96 / 128 gave 284 / 278 / 285 us, FP8 rows 162 /
+  // 151 / 152 us, and at H=4096, E=64 167 / 162 / 162 us, FP8 110 / 98 / 91 us). Splitting a
   // token's row over several sender warps at T=128, as the combine splits its rows, did not help
   // (2 / 4 / 8 warps per row: 27.5 / 27.9 / 28.5 us against 27.4).
   static const int send_share = overlap_knob("EPX_DISPATCH_SEND_SHARE", 25);
-  static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 64);
+  static const int send_blocks = overlap_knob("EPX_DISPATCH_SEND_BLOCKS", 96);
   const int link_blocks =
       g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : send_blocks;
   const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + W - 1) / W, link_blocks)));
