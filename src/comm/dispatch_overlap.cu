@@ -246,6 +246,14 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   }
 }
 
+// Expand blocks per SM without a budget (EPX_DISPATCH_EXPAND_PER_SM, default 2; read once).
+// Measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per SM gave 255, 266, 275 us; with
+// 64 senders 1 and 2 gave 228 and 220-222 us.
+int expand_per_sm() {
+  static const int n = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
+  return n;
+}
+
 template <class V, int W, bool kShared>
 bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inline_barrier, int expand_pieces,
                             cudaStream_t stream) {
@@ -265,10 +273,8 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
   const int link_blocks =
       g.sm_budget > 0 ? std::max(1, std::min(g.sm_budget - 1, g.sm_budget * send_share / 100)) : send_blocks;
   const int send = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((sa.T + W - 1) / W, link_blocks)));
-  // Enough expand blocks for every chunk of the largest batch, at most two per SM
-  // (EPX_DISPATCH_EXPAND_PER_SM; measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per
-  // SM gave 255, 266, 275 us; with 64 senders 1 and 2 gave 228 and 220-222 us).
-  const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
+  // Enough expand blocks for every chunk of the largest batch, at most expand_per_sm() per SM.
+  const int per_sm = expand_per_sm();
   const int64_t items = static_cast<int64_t>(g.R) * arrival_chunks(g.max_tokens) * expand_pieces;
   const int64_t crews = crews_per_block<W>();
   const int expand = static_cast<int>(std::min<int64_t>(
@@ -289,9 +295,9 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
   // device then splits each row over at least two). Measured at T=128, H=7168, K=8, no budget,
   // 4 x H200: 25.6 -> 19.5 us at 2 ranks, 38.9 -> 37.5 us at 4.
   static const int cap = std::min(kMaxPieces, overlap_knob("EPX_DISPATCH_EXPAND_PIECES", kMaxPieces));
-  static const int per_sm = overlap_knob("EPX_DISPATCH_EXPAND_PER_SM", 2);
   const DeviceGroup& g = sa.g;
-  const int64_t expand_warps = static_cast<int64_t>(g.sm_budget > 0 ? g.sm_budget : per_sm * cuda::sm_count()) * W;
+  const int64_t expand_warps =
+      static_cast<int64_t>(g.sm_budget > 0 ? g.sm_budget : expand_per_sm() * cuda::sm_count()) * W;
   const int pieces = static_cast<int64_t>(sa.T) * g.R * 2 <= expand_warps ? cap : 1;
   if (vec)
     return pieces > 1 ? launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream)

@@ -212,33 +212,33 @@ __device__ __forceinline__ P load_pack(const P* p, bool cg) {
 // ---- dispatch: rows out, rows expanded ----------------------------------------------------------
 
 // Vectors r of one row to every expert row in rows[0..K) that is >= 0: each piece of the source is
-// loaded once (kFanoutUnroll vectors per lane in flight), then stored to all of them.
-template <class V>
+// loaded once (kUnroll vectors per lane in flight), then stored to all of them.
+template <class V, int kUnroll = kFanoutUnroll>
 __device__ __forceinline__ void copy_fanout(const char* src, char* out, int64_t bytes, const int32_t* rows, int K,
                                             int lane, bool cg, VecRange r) {
   const V* s = reinterpret_cast<const V*>(src);
   const int64_t n = r.end;
-  for (int64_t v0 = r.begin + lane; v0 < n; v0 += 32 * kFanoutUnroll) {
-    V val[kFanoutUnroll];
+  for (int64_t v0 = r.begin + lane; v0 < n; v0 += 32 * kUnroll) {
+    V val[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kFanoutUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * 32 < n) val[u] = load_pack(s + v0 + u * 32, cg);
     for (int k = 0; k < K; ++k) {
       const int32_t r = rows[k];
       if (r < 0) continue;
       V* d = reinterpret_cast<V*>(out + r * bytes);
 #pragma unroll
-      for (int u = 0; u < kFanoutUnroll; ++u)
+      for (int u = 0; u < kUnroll; ++u)
         if (v0 + u * 32 < n) d[v0 + u * 32] = val[u];
     }
   }
 }
 
 // The whole row.
-template <class V>
+template <class V, int kUnroll = kFanoutUnroll>
 __device__ __forceinline__ void copy_fanout(const char* src, char* out, int64_t bytes, const int32_t* rows, int K,
                                             int lane, bool cg) {
-  copy_fanout<V>(src, out, bytes, rows, K, lane, cg, VecRange{0, bytes / static_cast<int64_t>(sizeof(V))});
+  copy_fanout<V, kUnroll>(src, out, bytes, rows, K, lane, cg, VecRange{0, bytes / static_cast<int64_t>(sizeof(V))});
 }
 
 // Whether both addresses and the length are multiples of `n` bytes.
@@ -249,21 +249,12 @@ __device__ __forceinline__ bool all_aligned(const void* a, const void* b, int64_
 
 // A short row (the block scales beside an fp8 row: 224 bytes at H = 7168) to every expert row:
 // byte copies made it 7 loads and 7 x K stores per lane, about as many instructions as the row
-// itself; with 16-byte vectors it is one load and K stores on 14 lanes.
-template <class V>
-__device__ __forceinline__ void copy_fanout_short_vec(const char* src, char* out, int64_t bytes, const int32_t* rows,
-                                                      int K, int lane, bool cg) {
-  const int64_t n = bytes / static_cast<int64_t>(sizeof(V));
-  for (int64_t v = lane; v < n; v += 32) {
-    const V val = load_pack(reinterpret_cast<const V*>(src) + v, cg);
-    for (int k = 0; k < K; ++k)
-      if (rows[k] >= 0) reinterpret_cast<V*>(out + rows[k] * bytes)[v] = val;
-  }
-}
+// itself; with 16-byte vectors it is one load and K stores on 14 lanes. One vector per lane at a
+// time: the row fits in one pass, and deeper unrolling would only cost registers.
 __device__ __forceinline__ void copy_fanout_short(const char* src, char* out, int64_t bytes, const int32_t* rows,
                                                   int K, int lane, bool cg) {
-  if (all_aligned(src, out, bytes, 16)) copy_fanout_short_vec<uint4>(src, out, bytes, rows, K, lane, cg);
-  else copy_fanout_short_vec<uint8_t>(src, out, bytes, rows, K, lane, cg);
+  if (all_aligned(src, out, bytes, 16)) copy_fanout<uint4, 1>(src, out, bytes, rows, K, lane, cg);
+  else copy_fanout<uint8_t, 1>(src, out, bytes, rows, K, lane, cg);
 }
 
 // `bytes` from src to dst by one warp, in 4-byte words where the addresses and length allow (the
