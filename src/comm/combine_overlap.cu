@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "comm/ep_device.cuh"
 #include "comm/ep_timeline.cuh"
@@ -65,7 +66,16 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     const int warps = reduce_blocks * W;
     const int pieces = pieces_for(slots, warps, nvec, a.max_pieces);
     const int span = R * kArrivalChunk;  // slots of one chunk index
-    for (int q = blockIdx.x * W + warp; q < maxc * span * pieces; q += warps) {
+    // A warp's first item is its index; each further one is its index plus the warps, or, with
+    // claim_items (under an SM budget), the next unclaimed item. Partials differ in their rows (0 to
+    // K on a rank), so a fixed stride can leave some warps with far more rows than others; claiming
+    // hands the next item to whichever warp is free. Lane 0 claims the next item as it starts one,
+    // so the atomic's latency hides behind the work.
+    const int items = maxc * span * pieces;
+    int claimed = 0;
+    for (int q = blockIdx.x * W + warp; q < items;
+         q = a.claim_items ? __shfl_sync(0xffffffffu, claimed, 0) : q + warps) {
+      if (a.claim_items && lane == 0) claimed = warps + static_cast<int>(atomicAdd(work_counter(g), 1u));
       const int item = q / pieces, piece = q % pieces;
       const int c = item / span, within = item % span;
       const int s = (g.rank + 1 + within / kArrivalChunk) % R;
@@ -119,6 +129,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   for (int i = threadIdx.x; i < words; i += blockDim.x) counters[i] = 0u;
   if (threadIdx.x == 0) {
     *done_ticket(g) = 0u;
+    *work_counter(g) = 0u;  // every warp has made its last claim
     if (a.inline_barrier) *g.epoch = next;  // every block has read it
   }
 }
@@ -146,8 +157,14 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   if (reduce < 1) return false;
   // Few rows: each partial and each sum over up to EPX_COMBINE_PIECES warps.
   static const int max_pieces = overlap_knob("EPX_COMBINE_PIECES", kMaxPieces);
+  // Partial items claimed one by one under an SM budget, by a fixed stride without one
+  // (EPX_COMBINE_ITEMS=claim|stride for both). 2 x H200, T=4096, H=7168: at 32 SMs claiming took 486
+  // against 524 us by stride (~11 items a warp); with every SM (~3 items a warp) 266 against 254.
+  static const char* items_env = std::getenv("EPX_COMBINE_ITEMS");
+  const bool claim = items_env != nullptr ? std::strcmp(items_env, "claim") == 0 : a.g.sm_budget > 0;
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
+  ra.claim_items = claim;
   ra.inline_barrier = inline_barrier;
   combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
@@ -38,9 +39,10 @@ __host__ __device__ inline size_t arrival_bytes(int R, int max_tokens) {
   return static_cast<size_t>(R) * arrival_chunks(max_tokens) * sizeof(uint32_t);
 }
 
-// After the counters: the ticket with which the last block of an overlapped combine knows it is last.
+// After the counters: the ticket with which the last block of an overlapped launch knows it is last,
+// then the overlapped combine's item counter (work_counter).
 __host__ __device__ inline size_t signal_area_bytes(int R, int max_tokens) {
-  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + sizeof(uint32_t);
+  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + 2 * sizeof(uint32_t);
 }
 
 __host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
@@ -72,6 +74,10 @@ __device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
   return reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(g.my_inbox) + inbox_bytes(g.R) +
                                      arrival_bytes(g.R, g.max_tokens));
 }
+
+// The items of this rank's overlapped combine handed out so far past each warp's first (zero between
+// launches: the last block resets it).
+__device__ __forceinline__ uint32_t* work_counter(const DeviceGroup& g) { return done_ticket(g) + 1; }
 
 // ---- the op's opening barrier inside the overlapped launch (default; not EPX_EP_BARRIER=launch)
 
@@ -163,6 +169,21 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// Element i of a pack as a float. bf16 elements are read from the pack's 32-bit words with one
+// shift or mask each (the same value as __bfloat162float): converting them element by element let
+// the compiler repack the halves of a load into new registers right after it, before the loads that
+// followed it were issued, which halved the loads the combine's partials keep in flight.
+template <class T, int N>
+__device__ __forceinline__ float pack_float(const Pack<T, N>& p, int i) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    uint32_t w;
+    memcpy(&w, reinterpret_cast<const char*>(&p) + (i / 2) * 4, 4);
+    return __uint_as_float(i % 2 ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    return cuda::to_float(p.v[i]);
+  }
+}
+
 struct ReduceArgs {
   DeviceGroup g;
   int T, K;
@@ -180,6 +201,7 @@ struct ReduceArgs {
   const int32_t* send_tokens;    // [R] (the overlapped combine: partials each rank sends back)
   int op_code;                   // kOpCombine or kOpDispatchBwd: what a timeout names
   int max_pieces = 1;            // the overlapped combine: warps a row may be split over
+  bool claim_items = false;      // the overlapped combine: partial items claimed from work_counter
   bool inline_barrier = false;   // the overlapped combine: the op's opening barrier is in its launch
 };
 
@@ -416,10 +438,10 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
         for (int u = 0; u < kReduceUnroll; ++u) {
           if (a.row_weights) {
 #pragma unroll
-            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, cuda::to_float(p[j][u].v[i]), acc[u][i]);
+            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, pack_float(p[j][u], i), acc[u][i]);
           } else {
 #pragma unroll
-            for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[j][u].v[i]);
+            for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[j][u], i);
           }
         }
       }
@@ -475,7 +497,7 @@ __device__ __forceinline__ void sum_partials(const ReduceArgs& a, int64_t t, int
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u)
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(p[u].v[i]);
+        for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[u], i);
     }
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {

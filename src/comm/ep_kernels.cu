@@ -249,6 +249,11 @@ struct SpreadArgs {
   int64_t stride;              // bytes per received slot
 };
 
+// y rows a spread warp loads before it stores (combine_backward with row-weight gradients); 2 where
+// K > 16, whose 32 dot products leave no registers for 4 under a budget's 32-warp blocks.
+template <int KMAX>
+constexpr int spread_rows() { return KMAX > 16 ? 2 : 4; }
+
 template <class T, int N, int KMAX, int W>
 __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
@@ -278,46 +283,64 @@ __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
       row = a.recv_row[(static_cast<int64_t>(s) * g.max_tokens + slot) * a.K + lane];
       if (row >= 0 && a.row_weights) w = a.row_weights[row];
     }
-    rows_s[warp][lane] = row;
-    w_s[warp][lane] = w;
+    // The slot's rows that live here, compacted in slot order.
+    const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
+    if (lane < a.K && row >= 0) {
+      const int at = __popc(here & ((1u << lane) - 1u));
+      rows_s[warp][at] = row;
+      w_s[warp][at] = w;
+    }
+    const int n = __popc(here);
     __syncwarp();
     float dot[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
     const P* gin = reinterpret_cast<const P*>(in_row(g, s, slot, a.stride));
+    const P* y = static_cast<const P*>(a.y);
+    P* d_y = static_cast<P*>(a.d_y);
     for (int64_t v = lane; v < nvec; v += 32) {
+      constexpr int kSpreadRows = spread_rows<KMAX>();
       const P gp = gin[v];
-      float gf[N];
+      // The y vectors of kSpreadRows rows are loaded before any d_y store: the compiler cannot move
+      // a load of y above a store to d_y (it does not know they never alias), and one y load at a
+      // time between the stores left the loop waiting on each.
 #pragma unroll
-      for (int i = 0; i < N; ++i) gf[i] = cuda::to_float(gp.v[i]);
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        if (k >= a.K) break;
-        const int32_t r = rows_s[warp][k];
-        if (r < 0) continue;
-        P o;
-        if (a.row_weights) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(w_s[warp][k] * gf[i]);
-        } else {
-          o = gp;
-        }
-        static_cast<P*>(a.d_y)[r * nvec + v] = o;
+      for (int k0 = 0; k0 < KMAX; k0 += kSpreadRows) {
+        if (k0 >= n) break;
+        P yp[kSpreadRows];
         if (a.d_row_weights) {
-          const P yp = static_cast<const P*>(a.y)[r * nvec + v];
 #pragma unroll
-          for (int i = 0; i < N; ++i) dot[k] = fmaf(gf[i], cuda::to_float(yp.v[i]), dot[k]);
+          for (int j = 0; j < kSpreadRows; ++j)
+            if (k0 + j < n) yp[j] = y[rows_s[warp][k0 + j] * nvec + v];
+        }
+#pragma unroll
+        for (int j = 0; j < kSpreadRows; ++j) {
+          if (k0 + j >= n) break;
+          const int64_t r = rows_s[warp][k0 + j];
+          P o;
+          if (a.row_weights) {
+            const float wk = w_s[warp][k0 + j];
+#pragma unroll
+            for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(wk * pack_float(gp, i));
+          } else {
+            o = gp;
+          }
+          d_y[r * nvec + v] = o;
+          if (a.d_row_weights) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) dot[k0 + j] = fmaf(pack_float(gp, i), pack_float(yp[j], i), dot[k0 + j]);
+          }
         }
       }
     }
     if (a.d_row_weights) {
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {
-        if (k >= a.K) break;
+        if (k >= n) break;
         float d = dot[k];
 #pragma unroll
         for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-        if (lane == 0 && rows_s[warp][k] >= 0) a.d_row_weights[rows_s[warp][k]] = d;
+        if (lane == 0) a.d_row_weights[rows_s[warp][k]] = d;
       }
     }
     __syncwarp();
