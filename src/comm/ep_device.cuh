@@ -5,10 +5,10 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
+#include "cuda/common/row_reduce.cuh"
 
 #include "comm/ep_kernels.h"
 #include "comm/row_pieces.h"
@@ -164,25 +164,8 @@ struct ExpandArgs {
 };
 
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-// Element i of a pack as a float. bf16 elements are read from the pack's 32-bit words with one
-// shift or mask each (the same value as __bfloat162float): converting them element by element let
-// the compiler repack the halves of a load into new registers right after it, before the loads that
-// followed it were issued, which halved the loads the combine's partials keep in flight.
-template <class T, int N>
-__device__ __forceinline__ float pack_float(const Pack<T, N>& p, int i) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
-    uint32_t w;
-    memcpy(&w, reinterpret_cast<const char*>(&p) + (i / 2) * 4, 4);
-    return __uint_as_float(i % 2 ? (w & 0xffff0000u) : (w << 16));
-  } else {
-    return cuda::to_float(p.v[i]);
-  }
-}
+using cuda::Pack;
+using cuda::pack_float;
 
 struct ReduceArgs {
   DeviceGroup g;
@@ -402,59 +385,13 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
       out_meta(g, s, slot)[lane].weight = static_cast<double>(a.row_scalars[row]);
   }
   // The slots' rows that live here, compacted in slot order (the others add nothing).
-  const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
-  if (lane < a.K && row >= 0) {
-    const int at = __popc(here & ((1u << lane) - 1u));
-    rows_s[at] = row;
-    w_s[at] = w;
-  }
-  const int n = __popc(here);
-  __syncwarp();
-  const P* in = static_cast<const P*>(a.rows_in);
-  P* dst = reinterpret_cast<P*>(out_row(g, s, slot, a.stride));
+  const int n = cuda::compact_rows(row, w, a.K, lane, rows_s, w_s);
   // kReduceUnroll vectors per lane of kReduceRows rows at a time: all their loads are issued before
-  // the first add (the loop is load-latency bound otherwise); per element the rows still add in
-  // slot order, so the sums are those of the plain loop.
-  for (int64_t v0 = r.begin + lane; v0 < r.end; v0 += 32 * kReduceUnroll) {
-    float acc[kReduceUnroll][N];
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
-    for (int k0 = 0; k0 < n; k0 += kReduceRows) {
-      P p[kReduceRows][kReduceUnroll];
-#pragma unroll
-      for (int j = 0; j < kReduceRows; ++j) {
-        const int64_t base = static_cast<int64_t>(k0 + j < n ? rows_s[k0 + j] : 0) * nvec + v0;
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u)
-          if (k0 + j < n && v0 + u * 32 < r.end) p[j][u] = in[base + u * 32];
-      }
-#pragma unroll
-      for (int j = 0; j < kReduceRows; ++j) {
-        if (k0 + j >= n) break;
-        const float wk = w_s[k0 + j];
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          if (a.row_weights) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, pack_float(p[j][u], i), acc[u][i]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[j][u], i);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      if (v0 + u * 32 >= r.end) continue;
-      P o;
-#pragma unroll
-      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
-      dst[v0 + u * 32] = o;
-    }
-  }
+  // the first add (the loop is load-latency bound otherwise).
+  cuda::weighted_row_sum<kReduceRows, kReduceUnroll>(static_cast<const P*>(a.rows_in), nvec, rows_s, w_s, n,
+                                                     a.row_weights != nullptr,
+                                                     reinterpret_cast<P*>(out_row(g, s, slot, a.stride)), r.begin,
+                                                     r.end, lane);
   __syncwarp();
 }
 

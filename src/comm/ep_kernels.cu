@@ -249,11 +249,6 @@ struct SpreadArgs {
   int64_t stride;              // bytes per received slot
 };
 
-// y rows a spread warp loads before it stores (combine_backward with row-weight gradients); 2 where
-// K > 16, whose 32 dot products leave no registers for 4 under a budget's 32-warp blocks.
-template <int KMAX>
-constexpr int spread_rows() { return KMAX > 16 ? 2 : 4; }
-
 template <class T, int N, int KMAX, int W>
 __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
@@ -284,55 +279,13 @@ __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
       if (row >= 0 && a.row_weights) w = a.row_weights[row];
     }
     // The slot's rows that live here, compacted in slot order.
-    const unsigned here = __ballot_sync(0xffffffffu, lane < a.K && row >= 0);
-    if (lane < a.K && row >= 0) {
-      const int at = __popc(here & ((1u << lane) - 1u));
-      rows_s[warp][at] = row;
-      w_s[warp][at] = w;
-    }
-    const int n = __popc(here);
-    __syncwarp();
+    const int n = cuda::compact_rows(row, w, a.K, lane, rows_s[warp], w_s[warp]);
     float dot[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
-    const P* gin = reinterpret_cast<const P*>(in_row(g, s, slot, a.stride));
-    const P* y = static_cast<const P*>(a.y);
-    P* d_y = static_cast<P*>(a.d_y);
-    for (int64_t v = lane; v < nvec; v += 32) {
-      constexpr int kSpreadRows = spread_rows<KMAX>();
-      const P gp = gin[v];
-      // The y vectors of kSpreadRows rows are loaded before any d_y store: the compiler cannot move
-      // a load of y above a store to d_y (it does not know they never alias), and one y load at a
-      // time between the stores left the loop waiting on each.
-#pragma unroll
-      for (int k0 = 0; k0 < KMAX; k0 += kSpreadRows) {
-        if (k0 >= n) break;
-        P yp[kSpreadRows];
-        if (a.d_row_weights) {
-#pragma unroll
-          for (int j = 0; j < kSpreadRows; ++j)
-            if (k0 + j < n) yp[j] = y[rows_s[warp][k0 + j] * nvec + v];
-        }
-#pragma unroll
-        for (int j = 0; j < kSpreadRows; ++j) {
-          if (k0 + j >= n) break;
-          const int64_t r = rows_s[warp][k0 + j];
-          P o;
-          if (a.row_weights) {
-            const float wk = w_s[warp][k0 + j];
-#pragma unroll
-            for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(wk * pack_float(gp, i));
-          } else {
-            o = gp;
-          }
-          d_y[r * nvec + v] = o;
-          if (a.d_row_weights) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) dot[k0 + j] = fmaf(pack_float(gp, i), pack_float(yp[j], i), dot[k0 + j]);
-          }
-        }
-      }
-    }
+    cuda::spread_row<KMAX>(reinterpret_cast<const P*>(in_row(g, s, slot, a.stride)), nvec, rows_s[warp], w_s[warp], n,
+                           a.row_weights != nullptr, static_cast<P*>(a.d_y),
+                           a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
     if (a.d_row_weights) {
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "cuda/common/dtype_cuda.cuh"
+#include "cuda/common/row_reduce.cuh"
 
 namespace epx::cuda::permute {
 
@@ -25,11 +26,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;
 /// Padding rows zeroed per work item.
 constexpr int kPadRows = 8;
-
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 struct Layout {
   int T, K, Le;
@@ -231,33 +227,10 @@ __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(ReduceArgs a) {
       if (row >= 0 && a.row_weights) w = a.row_weights[row];
       if (a.d_topk_weights) a.d_topk_weights[t * L.K + lane] = row >= 0 && a.d_row_in ? a.d_row_in[row] : 0.0f;
     }
-    rows_s[warp][lane] = row;
-    w_s[warp][lane] = w;
-    __syncwarp();
-    const P* in = static_cast<const P*>(a.rows_in);
-    P* out = static_cast<P*>(a.out) + t * nvec;
-    for (int64_t v = lane; v < nvec; v += 32) {
-      float acc[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-      for (int k = 0; k < L.K; ++k) {
-        const int32_t r = rows_s[warp][k];
-        if (r < 0) continue;
-        const P p = in[r * nvec + v];
-        if (a.row_weights) {
-          const float wk = w_s[warp][k];
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] = fmaf(wk, to_float(p.v[i]), acc[i]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] += to_float(p.v[i]);
-        }
-      }
-      P o;
-#pragma unroll
-      for (int i = 0; i < N; ++i) o.v[i] = from_float<T>(acc[i]);
-      out[v] = o;
-    }
+    // The token's rows, compacted in slot order; 2 rows x 2 vectors per lane in flight.
+    const int n = compact_rows(row, w, L.K, lane, rows_s[warp], w_s[warp]);
+    weighted_row_sum<2, 2>(static_cast<const P*>(a.rows_in), nvec, rows_s[warp], w_s[warp], n,
+                           a.row_weights != nullptr, static_cast<P*>(a.out) + t * nvec, 0, nvec, lane);
     __syncwarp();
   }
 }
@@ -301,47 +274,21 @@ __global__ void __launch_bounds__(kThreads) spread_rows_kernel(SpreadArgs a) {
       row = L.recv_row[t * L.K + lane];
       if (row >= 0 && a.row_weights) w = a.row_weights[row];
     }
-    rows_s[warp][lane] = row;
-    w_s[warp][lane] = w;
-    __syncwarp();
+    const int n = compact_rows(row, w, L.K, lane, rows_s[warp], w_s[warp]);
     float dot[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
-    const P* g_in = static_cast<const P*>(a.d_out) + t * nvec;
-    for (int64_t v = lane; v < nvec; v += 32) {
-      const P g = g_in[v];
-      float gf[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) gf[i] = to_float(g.v[i]);
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        if (k >= L.K) break;
-        const int32_t r = rows_s[warp][k];
-        if (r < 0) continue;
-        P o;
-        if (a.row_weights) {
-          const float wk = w_s[warp][k];
-#pragma unroll
-          for (int i = 0; i < N; ++i) o.v[i] = from_float<T>(wk * gf[i]);
-        } else {
-          o = g;
-        }
-        static_cast<P*>(a.d_y)[r * nvec + v] = o;
-        if (a.d_row_weights) {
-          const P yp = static_cast<const P*>(a.y)[r * nvec + v];
-#pragma unroll
-          for (int i = 0; i < N; ++i) dot[k] = fmaf(gf[i], to_float(yp.v[i]), dot[k]);
-        }
-      }
-    }
+    spread_row<KMAX>(static_cast<const P*>(a.d_out) + t * nvec, nvec, rows_s[warp], w_s[warp], n,
+                     a.row_weights != nullptr, static_cast<P*>(a.d_y),
+                     a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
     if (a.d_row_weights) {
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {
-        if (k >= L.K) break;
+        if (k >= n) break;
         float d = dot[k];
 #pragma unroll
         for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-        if (lane == 0 && rows_s[warp][k] >= 0) a.d_row_weights[rows_s[warp][k]] = d;
+        if (lane == 0) a.d_row_weights[rows_s[warp][k]] = d;
       }
     }
     __syncwarp();
