@@ -7,7 +7,8 @@ they were (`-Xptxas -v` showed nothing) once made the bf16 combine issue two loa
 issue the other two, and the combine took 16% longer. This reads the SASS of the compiled objects
 (cuobjdump) and, for each rule, finds the largest group of plain 8- or 16-byte global loads that a kernel
 issues before one of their registers is read or a branch intervenes; it fails where that group is
-smaller than the rule's minimum.
+smaller than the rule's minimum. A group ends at any branch, even a forward one around a guarded load,
+so the rules name kernels whose hot loop has no branch between its loads.
 
 usage: check_sass_loads.py [--cuobjdump PATH] OBJECT_OR_DIRECTORY... -- RULE...
   (a directory is searched for the objects the rules name)
