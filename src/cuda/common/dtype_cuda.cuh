@@ -14,6 +14,13 @@ __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
+/// The bf16 in the low (high = false) or high half of a 32-bit word, widened exactly to fp32: one
+/// shift or mask, where converting the halves as __nv_bfloat16 values lets the compiler first copy
+/// them into registers of their own.
+__device__ __forceinline__ float bf16_word_half_to_float(uint32_t w, bool high) {
+  return __uint_as_float(high ? (w & 0xffff0000u) : (w << 16));
+}
+
 template <class T>
 __device__ __forceinline__ T from_float(float v);
 template <>

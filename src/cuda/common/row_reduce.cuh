@@ -28,14 +28,13 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-/// Element i of a pack as a float (bf16: one shift or mask of its 32-bit word, the same value as
-/// __bfloat162float).
+/// Element i of a pack as a float (bf16: from its 32-bit word, bf16_word_half_to_float).
 template <class T, int N>
 __device__ __forceinline__ float pack_float(const Pack<T, N>& p, int i) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
     uint32_t w;
     memcpy(&w, reinterpret_cast<const char*>(&p) + (i / 2) * 4, 4);
-    return __uint_as_float(i % 2 ? (w & 0xffff0000u) : (w << 16));
+    return bf16_word_half_to_float(w, i % 2);
   } else {
     return to_float(p.v[i]);
   }

@@ -209,8 +209,7 @@ __device__ __forceinline__ float raw_elem<float>(const Raw16& r, int e) {
 }
 template <>
 __device__ __forceinline__ float raw_elem<__nv_bfloat16>(const Raw16& r, int e) {
-  const uint32_t w = r.w[e >> 1];
-  return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
+  return bf16_word_half_to_float(r.w[e >> 1], e & 1);
 }
 template <>
 __device__ __forceinline__ float raw_elem<__half>(const Raw16& r, int e) {
