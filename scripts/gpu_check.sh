@@ -12,7 +12,8 @@
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
 # leaves out the PyTorch kernel baselines.
 # EPX_TEST_FILTER and MEMCHECK_FILTER narrow the GPU tests (gtest filter syntax; memcheck leaves out
-# the long multi-GPU scenario sweep and the timing-based late-rank test unless MEMCHECK_FILTER says).
+# the long multi-GPU scenario sweep and the timing-based late-rank test unless MEMCHECK_FILTER says;
+# MEMCHECK_TIMEOUT, default 300 s, bounds it).
 # mptests runs the one-process-per-GPU suite three times: both transports (multigpu.log), then
 # EPX_TRANSPORT=staged (multigpu_staged.log), then staged with NCCL's P2P and shared-memory
 # transports disabled, so the exchange goes through NCCL's socket transport over loopback
@@ -190,7 +191,7 @@ fi
 
 if has memcheck; then
   if command -v compute-sanitizer >/dev/null 2>&1; then
-    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$BUILD/tests/epx_tests_gpu" --gtest_filter="${MEMCHECK_FILTER:-*-*StandardScenarios*:*LateRank*}" >"$OUT/memcheck.log" 2>&1
     rc=$?
     summary "memcheck: rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
