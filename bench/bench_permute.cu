@@ -205,19 +205,23 @@ void run_kernels(int T, int H, int E, int K, int align, double hbm) {
     line("quantize_then_permute", "unfused", rn, t_unfused, quant_bytes + fp8_bytes).print();
     // Fused.
     const double fused_bytes = 2.0 * H * T + (H + sb) * pairs + meta;
-    for (PermuteKernel k : {PermuteKernel::kBulk, PermuteKernel::kWarp}) {
-      const cuda::PermuteTuning tu = tuning_of(k);
-      const double us = bench::time_us([&](int) {
-        cuda::permute_quantize_forward(hs, r, E8M0Rounding::kFloor, x, w, rq, rs, rw, cap, align, Stream{}, tu);
-      });
-      line("quantize_permute", k == PermuteKernel::kBulk ? "fused_bulk_stores" : "fused_lane_stores", rn, us,
-           fused_bytes)
-          .add("overhead_vs_permute", us / t_fp8 - 1.0)
-          .add("byte_floor_overhead", fused_bytes / fp8_bytes - 1.0)
-          .add("vs_bf16_permute", us / std::min(t_bf16[0], t_bf16[1]))
-          .add("speedup_vs_unfused", t_unfused / us)
-          .print();
-    }
+    for (PermuteKernel k : {PermuteKernel::kBulk, PermuteKernel::kWarp})
+      for (cuda::QuantizeSchedule sched : {cuda::QuantizeSchedule::kBatched, cuda::QuantizeSchedule::kPipelined,
+                                           cuda::QuantizeSchedule::kPipelinedOneStage}) {
+        cuda::PermuteTuning tu = tuning_of(k);
+        tu.quantize_schedule = sched;
+        const double us = bench::time_us([&](int) {
+          cuda::permute_quantize_forward(hs, r, E8M0Rounding::kFloor, x, w, rq, rs, rw, cap, align, Stream{}, tu);
+        });
+        line("quantize_permute", k == PermuteKernel::kBulk ? "fused_bulk_stores" : "fused_lane_stores", rn, us,
+             fused_bytes)
+            .add("schedule", cuda::quantize_schedule_name(sched))
+            .add("overhead_vs_permute", us / t_fp8 - 1.0)
+            .add("byte_floor_overhead", fused_bytes / fp8_bytes - 1.0)
+            .add("vs_bf16_permute", us / std::min(t_bf16[0], t_bf16[1]))
+            .add("speedup_vs_unfused", t_unfused / us)
+            .print();
+      }
   }
   g.check();
 }

@@ -625,11 +625,15 @@ Tensor quant_input(int T, int H, DType dt, uint32_t seed, bool special) {
 
 enum class QPath { kPublic, kComposed, kLauncher };
 
+constexpr cuda::QuantizeSchedule kQuantizeSchedules[] = {
+    cuda::QuantizeSchedule::kBatched, cuda::QuantizeSchedule::kPipelined, cuda::QuantizeSchedule::kPipelinedOneStage};
+
 // Quantize-on-the-way dispatch of x on `g` through one of three paths: the public entry point (the
 // fused kernel on the one-GPU group, the composition on the host group), quantize then the
 // quantized dispatch, or the fused launcher with explicit tuning and buffer offsets.
 Dispatched quant_dispatch(Group& g, const Case& c, const QuantVariant& v, const Inputs& in, const Tensor& x_host,
-                          QPath path, int poison, const KernelRun& k = {}) {
+                          QPath path, int poison, const KernelRun& k = {},
+                          cuda::QuantizeSchedule schedule = cuda::QuantizeSchedule::kAuto) {
   const bool on_gpu = g.device().is_cuda();
   const Device dev = g.device();
   const int64_t cap = g.recv_capacity_rows();
@@ -654,6 +658,7 @@ Dispatched quant_dispatch(Group& g, const Case& c, const QuantVariant& v, const 
     cuda::PermuteTuning tuning;
     tuning.kernel = k.kernel;
     tuning.max_ctas = k.max_ctas;
+    tuning.quantize_schedule = schedule;
     cuda::permute_quantize_forward(h.state(), v.recipe, v.rounding, x.view, w, rx.view, rs.view, rw, cap, c.align,
                                    Stream{}, tuning);
     g.check();
@@ -768,6 +773,48 @@ TEST(EpLocalGpuQuantize, FullBatchAndModelHidden) {
   compare_quant(k1, true);
 }
 
+// Every schedule (batched or pipelined x loads, one or two staged rows a warp): rows shorter than one
+// batch (H = 512), model-sized rows whose last batch is partial (H = 7168: 3.5 batches for bf16), few
+// CTAs so each warp walks many tokens and the pipelined loads cross tokens, x 16-byte aligned and
+// only element-aligned (x + 4 bytes).
+TEST(EpLocalGpuQuantize, SchedulesMatchReference) {
+  EPX_REQUIRE_GPU();
+  Case many;
+  many.T = many.max_tokens = 700;
+  many.E = 64;
+  many.K = 8;
+  many.H = 512;
+  many.align = 128;
+  many.zipf = 1.2;
+  Case model;
+  model.T = model.max_tokens = 64;
+  model.E = 32;
+  model.K = 8;
+  model.H = 7168;
+  model.align = 32;
+  for (DType p : {DType::kBF16, DType::kF32})
+    for (Case c : {many, model}) {
+      c.payload = p;
+      Group gpu = Group::create_local(config_of(c), 0);
+      auto host = Group::create_simulated(1, config_of(c));
+      const Inputs in = make_inputs(c, 0);
+      const Tensor x = quant_input(c.T, c.H, p, 11, true);
+      for (const QuantVariant& v : kQuantVariants) {
+        const Dispatched want = quant_dispatch(host[0], c, v, in, x, QPath::kPublic, 0xEE);
+        int poison = 0x17;
+        for (cuda::QuantizeSchedule schedule : kQuantizeSchedules)
+          for (const KernelRun& k : {KernelRun{cuda::PermuteKernel::kBulk, 0, 0, 0, 0},
+                                     KernelRun{cuda::PermuteKernel::kBulk, 3, 0, 0, 0},
+                                     KernelRun{cuda::PermuteKernel::kWarp, 5, 4, 0, 0}}) {
+            SCOPED_TRACE(detail::concat(describe(c), " ", describe(v), " ", describe(k), " schedule=",
+                                        cuda::quantize_schedule_name(schedule)));
+            expect_same_dispatch(quant_dispatch(gpu, c, v, in, x, QPath::kLauncher, poison += 0x26, k, schedule),
+                                 want, "fused launcher vs CPU reference");
+          }
+      }
+    }
+}
+
 TEST(EpLocalGpuQuantize, KernelVariantsAndMisalignedBuffers) {
   EPX_REQUIRE_GPU();
   using cuda::PermuteKernel;
@@ -795,13 +842,15 @@ TEST(EpLocalGpuQuantize, KernelVariantsAndMisalignedBuffers) {
       for (const QuantVariant& v : kQuantVariants) {
         const Dispatched want = quant_dispatch(host[0], c, v, in, x, QPath::kPublic, 0xEE);
         int poison = 0x21;
-        for (const KernelRun& k : runs) {
-          if (k.x_offset % static_cast<int>(dtype_size(p)) != 0) continue;  // x stays element-aligned
-          if (v.recipe == QuantRecipe::kFp8Block1x128 && k.scale_offset % 4 != 0) continue;
-          SCOPED_TRACE(detail::concat(describe(c), " ", describe(v), " ", describe(k)));
-          expect_same_dispatch(quant_dispatch(gpu, c, v, in, x, QPath::kLauncher, poison += 0x26, k), want,
-                               "fused launcher vs CPU reference");
-        }
+        for (cuda::QuantizeSchedule schedule : kQuantizeSchedules)
+          for (const KernelRun& k : runs) {
+            if (k.x_offset % static_cast<int>(dtype_size(p)) != 0) continue;  // x stays element-aligned
+            if (v.recipe == QuantRecipe::kFp8Block1x128 && k.scale_offset % 4 != 0) continue;
+            SCOPED_TRACE(detail::concat(describe(c), " ", describe(v), " ", describe(k), " schedule=",
+                                        cuda::quantize_schedule_name(schedule)));
+            expect_same_dispatch(quant_dispatch(gpu, c, v, in, x, QPath::kLauncher, poison += 0x26, k, schedule),
+                                 want, "fused launcher vs CPU reference");
+          }
       }
     }
 }

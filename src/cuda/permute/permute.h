@@ -22,10 +22,24 @@ enum class PermuteKernel : uint8_t {
 };
 const char* permute_kernel_name(PermuteKernel k);
 
+/// How quantize-while-permuting schedules its x loads and staged rows (tuning, not semantics: every
+/// choice writes the same bytes). A lane reads x in batches of 8 16-byte vectors.
+enum class QuantizeSchedule : uint8_t {
+  kAuto,               // EPX_QUANT_PERMUTE_SCHEDULE=batched|pipelined|pipelined_one_stage if set (read
+                       // once), else kPipelinedOneStage
+  kBatched,            // a batch loads when the warp gets to it; two staged rows a warp
+  kPipelined,          // the next batch (the row's next or the next token's first) loads while one is
+                       // quantized; two staged rows a warp
+  kPipelinedOneStage,  // pipelined, one staged row a warp (twice the warps an SM; a token's codes wait
+                       // until the previous token's stores have read the stage)
+};
+const char* quantize_schedule_name(QuantizeSchedule s);
+
 struct PermuteTuning {
   PermuteKernel kernel = PermuteKernel::kAuto;
   /// Cap on the CTAs launched (tests set it low so that every warp walks many tokens); 0 = auto.
   int max_ctas = 0;
+  QuantizeSchedule quantize_schedule = QuantizeSchedule::kAuto;
 };
 
 /// dispatch of a one-rank group: recv_x[row(t,k)] = x[t] (and the scale row for a quantized x),

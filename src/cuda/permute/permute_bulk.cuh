@@ -2,13 +2,15 @@
 // copy (permute_bulk_kernel) and quantize-while-permuting (permute_quantize_kernel).
 //
 // Both run one warp per CTA, each warp walking tokens t = blockIdx.x, + gridDim.x, ... (grid sized
-// to the resident CTAs), with two shared-memory stages so that one token is being filled while the
-// previous one drains:
+// to the resident CTAs), with shared-memory stages: the copy has two, so that one token is being
+// filled while the previous one drains; the quantizer two or, by default, one (its x loads are in
+// flight while the previous token drains, and one stage fits twice the warps on an SM):
 // - the copy loads the x row (and scale row) of token t + stride into the free stage by one bulk
 //   copy that completes an mbarrier, then lane k < K sends the current stage to its destination row
 //   by one bulk store per tensor: the row is read from HBM once and written K times by the copy
 //   engine, with no register round trip and one instruction per destination.
-// - the quantizer reads the x row with 16-byte register loads (eight vectors per lane in flight),
+// - the quantizer reads the x row with 16-byte register loads (8 vectors per lane in flight, the
+//   next 8 -- of this row or the next token's -- loading while these are quantized),
 //   quantizes it block by block with the lane-group helpers of src/cuda/quant (bit-identical to
 //   cuda::quantize and epx::ref::quantize), writes codes and scales into the stage, and sends it like
 //   the copy; or, when the pointers do not allow bulk stores (or the kWarp tuning asks), the lanes
@@ -208,17 +210,64 @@ struct QuantPermuteArgs {
   bool ceil_rounding;     // MX: E8M0Rounding::kCeil
 };
 
-/// Vectors per lane in flight while a row is read.
-constexpr int kQuantUnroll = 8;
+/// Lane `lane`'s U vectors of batch `base` (vector v = base + u * 32 + lane) of x row t; zeros past
+/// the row or the matrix.
+template <class T, bool kAlignedX, int U>
+__device__ __forceinline__ void load_x_batch(quant::Raw16 (&r)[U], const T* x, int64_t t, int64_t base, int lane,
+                                             int64_t T_, int64_t H) {
+  constexpr int kElems = quant::Vec<T>::kElems;
+#pragma unroll
+  for (int u = 0; u < U; ++u) r[u] = quant::load_vec<T, kAlignedX>(x, t, (base + u * 32 + lane) * kElems, T_, H);
+}
 
-template <class T, bool kMx, bool kAlignedX>
-__global__ void __launch_bounds__(32) permute_quantize_kernel(QuantPermuteArgs a) {
-  using quant::Raw16;
+/// Quantizes a batch into the stage: codes at byte kElems v, the block scales after the H code bytes.
+/// A block is kGroup consecutive lanes (H is a whole number of blocks, so a group is wholly inside or
+/// outside the row); every lane runs every step, as the group shuffles require.
+template <class T, bool kMx, int U>
+__device__ __forceinline__ void quantize_x_batch(const quant::Raw16 (&raw)[U], int64_t base, int lane, int64_t nvec,
+                                                 int64_t H, unsigned char* st, bool ceil_rounding) {
   constexpr int kElems = quant::Vec<T>::kElems;  // 8 bf16/fp16, 4 fp32 per 16-byte vector
   constexpr int kBlock = kMx ? 32 : 128;
   constexpr int kGroup = kBlock / kElems;        // lanes per block
   constexpr int kCodeWords = kElems / 4;
   static_assert(32 % kGroup == 0, "a block's lanes stay inside the warp");
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t v = base + u * 32 + lane;
+    float f[kElems];
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) f[e] = quant::raw_elem<T>(raw[u], e);
+    uint32_t codes[kCodeWords];
+    const bool in_row = v < nvec, leader = in_row && (lane % kGroup) == 0;
+    if constexpr (kMx) {
+      const uint32_t bits = quant::quantize_mx_block_group<kGroup, kElems>(f, ceil_rounding, codes);
+      if (leader) st[H + v / kGroup] = static_cast<uint8_t>(bits);
+    } else {
+      const float scale = quant::quantize_fp8_block_group<kGroup, kElems>(f, codes);
+      if (leader) reinterpret_cast<float*>(st + H)[v / kGroup] = scale;
+    }
+    if (in_row) {
+      if constexpr (kCodeWords == 2) *reinterpret_cast<uint2*>(st + v * kElems) = make_uint2(codes[0], codes[1]);
+      else *reinterpret_cast<uint32_t*>(st + v * kElems) = codes[0];
+    }
+  }
+}
+
+/// x vectors a lane loads at once (a batch).
+constexpr int kQuantBatch = 8;
+
+/// Without kPipelined a batch of x loads when the warp gets to it; with it, the next batch (the rest
+/// of this row, or the next token's first) loads while this one is quantized, so the warp keeps x in
+/// flight across tokens too. kStages staged rows a warp: with 2, a token's codes go into the stage
+/// the token before last used (its stores have read it, the previous token's may still be reading
+/// the other); with 1, into the only stage once the previous token's stores have read it, at half
+/// the shared memory a warp.
+template <class T, bool kMx, bool kAlignedX, bool kPipelined, int kStages>
+__global__ void __launch_bounds__(32) permute_quantize_kernel(QuantPermuteArgs a) {
+  using quant::Raw16;
+  constexpr int kElems = quant::Vec<T>::kElems;
+  constexpr int U = kQuantBatch;
+  static_assert(kStages == 1 || kStages == 2, "one or two staged rows a warp");
   extern __shared__ __align__(128) unsigned char stage_mem[];
   __shared__ int32_t rows_s[32];
   const int lane = static_cast<int>(threadIdx.x);
@@ -232,44 +281,30 @@ __global__ void __launch_bounds__(32) permute_quantize_kernel(QuantPermuteArgs a
   const bool bulk_payload = a.payload_align == 0, bulk_scales = a.scale_align == 0;
   Slot next;
   if (gw < L.T) next = load_slot(p, gw, lane);
+  Raw16 ahead[kPipelined ? U : 1];  // kPipelined: the batch after the one being quantized
+  if constexpr (kPipelined) {
+    if (gw < L.T) load_x_batch<T, kAlignedX, U>(ahead, x, gw, 0, lane, L.T, H);
+  }
   int i = 0;
   for (int64_t t = gw; t < L.T; t += nw, ++i) {
-    unsigned char* st = stage_mem + (i & 1) * a.stage_bytes;
+    unsigned char* st = stage_mem + (kStages == 2 ? (i & 1) : 0) * a.stage_bytes;
     const Slot cur = next;
     if (t + nw < L.T) next = load_slot(p, t + nw, lane);
-    // This stage last fed the stores of token i - 2; those of token i - 1 may still read the other.
-    bulk::wait_read<1>();
+    bulk::wait_read<kStages - 1>();  // the stores that last read this stage have read it
     __syncwarp();
     const int32_t row = publish_slot(p, t, lane, cur);
     rows_s[lane] = row;
-    // Vector v = base + u * 32 + lane of the row: a block is kGroup consecutive lanes (H is a whole
-    // number of blocks, so a group is wholly inside or outside the row); every lane runs every
-    // iteration, as the group shuffles require.
-    for (int64_t base = 0; base < nvec; base += 32 * kQuantUnroll) {
-      Raw16 raw[kQuantUnroll];
+    for (int64_t base = 0; base < nvec; base += 32 * U) {
+      Raw16 raw[U];
+      if constexpr (kPipelined) {
 #pragma unroll
-      for (int u = 0; u < kQuantUnroll; ++u)
-        raw[u] = quant::load_vec<T, kAlignedX>(x, t, (base + u * 32 + lane) * kElems, L.T, H);
-#pragma unroll
-      for (int u = 0; u < kQuantUnroll; ++u) {
-        const int64_t v = base + u * 32 + lane;
-        float f[kElems];
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) f[e] = quant::raw_elem<T>(raw[u], e);
-        uint32_t codes[kCodeWords];
-        const bool in_row = v < nvec, leader = in_row && (lane % kGroup) == 0;
-        if constexpr (kMx) {
-          const uint32_t bits = quant::quantize_mx_block_group<kGroup, kElems>(f, a.ceil_rounding, codes);
-          if (leader) st[H + v / kGroup] = static_cast<uint8_t>(bits);
-        } else {
-          const float scale = quant::quantize_fp8_block_group<kGroup, kElems>(f, codes);
-          if (leader) reinterpret_cast<float*>(st + H)[v / kGroup] = scale;
-        }
-        if (in_row) {
-          if constexpr (kCodeWords == 2) *reinterpret_cast<uint2*>(st + v * kElems) = make_uint2(codes[0], codes[1]);
-          else *reinterpret_cast<uint32_t*>(st + v * kElems) = codes[0];
-        }
+        for (int u = 0; u < U; ++u) raw[u] = ahead[u];
+        if (base + 32 * U < nvec) load_x_batch<T, kAlignedX, U>(ahead, x, t, base + 32 * U, lane, L.T, H);
+        else if (t + nw < L.T) load_x_batch<T, kAlignedX, U>(ahead, x, t + nw, 0, lane, L.T, H);
+      } else {
+        load_x_batch<T, kAlignedX, U>(raw, x, t, base, lane, L.T, H);
       }
+      quantize_x_batch<T, kMx, U>(raw, base, lane, nvec, H, st, a.ceil_rounding);
     }
     bulk::fence_proxy_async();  // the staged codes and scales, visible to the copy engine
     __syncwarp();
