@@ -28,6 +28,7 @@
 #include "comm/signal.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
+#include "cuda/common/row_reduce_tuning.h"
 
 namespace epx::comm {
 namespace {
@@ -249,7 +250,7 @@ struct SpreadArgs {
   int64_t stride;              // bytes per received slot
 };
 
-template <class T, int N, int KMAX, int W>
+template <class T, int N, int KMAX, int G, int W>
 __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
   __shared__ int32_t prefix[kMaxR + 1];
   __shared__ int32_t rows_s[W][kMaxK];
@@ -283,9 +284,9 @@ __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
     float dot[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
-    cuda::spread_row<KMAX>(reinterpret_cast<const P*>(in_row(g, s, slot, a.stride)), nvec, rows_s[warp], w_s[warp], n,
-                           a.row_weights != nullptr, static_cast<P*>(a.d_y),
-                           a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
+    cuda::spread_row<KMAX, G>(reinterpret_cast<const P*>(in_row(g, s, slot, a.stride)), nvec, rows_s[warp], w_s[warp],
+                              n, a.row_weights != nullptr, static_cast<P*>(a.d_y),
+                              a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
     if (a.d_row_weights) {
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {
@@ -617,13 +618,23 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
     d.recv_slots = counts_or_null(h.host_recv_tokens);
     link.deliver(g, d, s);
     const int grid = receive_grid(g);
-    auto launch = [&](auto kmax) {
-      constexpr int KM = decltype(kmax)::value;
+    auto launch_g = [&](auto kmax, auto group) {
+      constexpr int KM = decltype(kmax)::value, G = decltype(group)::value;
       with_phased_warps<kBudgetSpreadWarps>(g, [&](auto w) {
         constexpr int W = decltype(w)::value;
-        if (vec) spread_kernel<T, N, KM, W><<<grid, W * 32, 0, s>>>(pa);
-        else spread_kernel<T, 1, KM, W><<<grid, W * 32, 0, s>>>(pa);
+        if (vec) spread_kernel<T, N, KM, G, W><<<grid, W * 32, 0, s>>>(pa);
+        else spread_kernel<T, 1, KM, G, W><<<grid, W * 32, 0, s>>>(pa);
       });
+    };
+    // Where K <= 8 and the spread has every SM, all 8 y rows load before the stores (2 x H200, T=4096,
+    // H=7168: combine_backward 491-493 us against 499-503 with 4, T=128 56-57 against 65); under an
+    // SM budget 4 (32 SMs: 762-763 us with 8 against 742).
+    auto launch = [&](auto kmax) {
+      constexpr int KM = decltype(kmax)::value;
+      if (KM == 8 && cuda::spread_y_rows_k8(g.sm_budget > 0 ? 4 : 8) == 8)
+        launch_g(kmax, std::integral_constant<int, 8>{});
+      else
+        launch_g(kmax, std::integral_constant<int, cuda::spread_group<KM>()>{});
     };
     if (h.topk <= 8) launch(std::integral_constant<int, 8>{});
     else if (h.topk <= 16) launch(std::integral_constant<int, 16>{});

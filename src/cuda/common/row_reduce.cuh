@@ -104,8 +104,8 @@ __device__ __forceinline__ void weighted_row_sum(const Pack<T, N>* in, int64_t n
   }
 }
 
-/// y rows spread_row loads before it stores: 2 where K > 16, whose KMAX dot products leave no
-/// registers for 4.
+/// y rows spread_row loads before it stores: up to 4 where K <= 16 (the callers may take all 8 where
+/// K <= 8: spread_y_rows_k8), 2 where K > 16 (whose KMAX dot products leave no registers for 4).
 template <int KMAX>
 constexpr int spread_group() {
   return KMAX > 16 ? 2 : 4;
@@ -113,13 +113,13 @@ constexpr int spread_group() {
 
 /// The row g_in (nvec vectors, this lane's: lane + multiples of 32) to each of the n rows: d_y[row] =
 /// w_k x g (g itself without weights); with y, dot[k] += <g, y[rows[k]]> per lane in element order
-/// (the caller reduces dot across the warp).
-template <int KMAX, class T, int N>
+/// (the caller reduces dot across the warp). kGroup y rows load before their d_y rows are stored.
+template <int KMAX, int kGroup, class T, int N>
 __device__ __forceinline__ void spread_row(const Pack<T, N>* g_in, int64_t nvec, const int32_t* rows, const float* w,
                                            int n, bool weighted, Pack<T, N>* d_y, const Pack<T, N>* y,
                                            float (&dot)[KMAX], int lane) {
   using P = Pack<T, N>;
-  constexpr int kGroup = spread_group<KMAX>();
+  static_assert(KMAX % kGroup == 0, "groups of y rows tile KMAX");
   for (int64_t v = lane; v < nvec; v += 32) {
     const P gp = g_in[v];
 #pragma unroll

@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/row_reduce_tuning.h"
 #include "cuda/permute/permute_bulk.cuh"
 #include "cuda/permute/permute_kernels.cuh"
 
@@ -390,14 +391,22 @@ void launch_reduce(const permute::ReduceArgs& a, cudaStream_t s) {
   EPX_CHECK_LAUNCH("reduce_rows_kernel");
 }
 
-template <class T, int KMAX>
-void launch_spread_k(const permute::SpreadArgs& a, int grid, bool vec, cudaStream_t s) {
+template <class T, int KMAX, int G>
+void launch_spread_kg(const permute::SpreadArgs& a, int grid, bool vec, cudaStream_t s) {
   constexpr int N = 16 / sizeof(T);
   if (vec)
-    permute::spread_rows_kernel<T, N, KMAX><<<grid, permute::kThreads, 0, s>>>(a);
+    permute::spread_rows_kernel<T, N, KMAX, G><<<grid, permute::kThreads, 0, s>>>(a);
   else
-    permute::spread_rows_kernel<T, 1, KMAX><<<grid, permute::kThreads, 0, s>>>(a);
+    permute::spread_rows_kernel<T, 1, KMAX, G><<<grid, permute::kThreads, 0, s>>>(a);
   EPX_CHECK_LAUNCH("spread_rows_kernel");
+}
+
+// 4 y rows at a time by default: 8 (all of them where K <= 8) took 274.4-274.5 us against 272.5-272.7
+// at T=4096, H=7168, K=8 on an H200 (bench_permute, combine_backward_local).
+template <class T, int KMAX>
+void launch_spread_k(const permute::SpreadArgs& a, int grid, bool vec, cudaStream_t s) {
+  if (KMAX == 8 && spread_y_rows_k8(4) == 8) launch_spread_kg<T, KMAX, 8>(a, grid, vec, s);
+  else launch_spread_kg<T, KMAX, spread_group<KMAX>()>(a, grid, vec, s);
 }
 
 template <class T>

@@ -247,7 +247,7 @@ struct SpreadArgs {
   float* d_row_weights;       // or null
 };
 
-template <class T, int N, int KMAX>
+template <class T, int N, int KMAX, int G>
 __global__ void __launch_bounds__(kThreads) spread_rows_kernel(SpreadArgs a) {
   __shared__ int32_t rows_s[kWarps][32];
   __shared__ float w_s[kWarps][32];
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) spread_rows_kernel(SpreadArgs a) {
     float dot[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
-    spread_row<KMAX>(static_cast<const P*>(a.d_out) + t * nvec, nvec, rows_s[warp], w_s[warp], n,
+    spread_row<KMAX, G>(static_cast<const P*>(a.d_out) + t * nvec, nvec, rows_s[warp], w_s[warp], n,
                      a.row_weights != nullptr, static_cast<P*>(a.d_y),
                      a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
     if (a.d_row_weights) {
