@@ -287,16 +287,7 @@ __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
     cuda::spread_row<KMAX, G>(reinterpret_cast<const P*>(in_row(g, s, slot, a.stride)), nvec, rows_s[warp], w_s[warp],
                               n, a.row_weights != nullptr, static_cast<P*>(a.d_y),
                               a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
-    if (a.d_row_weights) {
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        if (k >= n) break;
-        float d = dot[k];
-#pragma unroll
-        for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-        if (lane == 0) a.d_row_weights[rows_s[warp][k]] = d;
-      }
-    }
+    if (a.d_row_weights) cuda::store_row_dots<KMAX>(dot, n, rows_s[warp], a.d_row_weights, lane);
     __syncwarp();
   }
 }

@@ -152,4 +152,19 @@ __device__ __forceinline__ void spread_row(const Pack<T, N>* g_in, int64_t nvec,
   }
 }
 
+/// d_row_weights[rows[k]] = the warp's sum of the lanes' dot[k], for the n rows spread_row filled
+/// (the same butterfly everywhere, so every path gives the same bits). Lane 0 stores.
+template <int KMAX>
+__device__ __forceinline__ void store_row_dots(const float (&dot)[KMAX], int n, const int32_t* rows,
+                                               float* d_row_weights, int lane) {
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    if (k >= n) break;
+    float d = dot[k];
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+    if (lane == 0) d_row_weights[rows[k]] = d;
+  }
+}
+
 }  // namespace epx::cuda

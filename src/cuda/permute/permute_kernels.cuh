@@ -279,18 +279,9 @@ __global__ void __launch_bounds__(kThreads) spread_rows_kernel(SpreadArgs a) {
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) dot[k] = 0.0f;
     spread_row<KMAX, G>(static_cast<const P*>(a.d_out) + t * nvec, nvec, rows_s[warp], w_s[warp], n,
-                     a.row_weights != nullptr, static_cast<P*>(a.d_y),
-                     a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
-    if (a.d_row_weights) {
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        if (k >= n) break;
-        float d = dot[k];
-#pragma unroll
-        for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-        if (lane == 0) a.d_row_weights[rows_s[warp][k]] = d;
-      }
-    }
+                        a.row_weights != nullptr, static_cast<P*>(a.d_y),
+                        a.d_row_weights ? static_cast<const P*>(a.y) : nullptr, dot, lane);
+    if (a.d_row_weights) store_row_dots<KMAX>(dot, n, rows_s[warp], a.d_row_weights, lane);
     __syncwarp();
   }
 }
