@@ -773,6 +773,29 @@ TEST(EpLocalGpuQuantize, FullBatchAndModelHidden) {
   compare_quant(k1, true);
 }
 
+// The fused launcher with every schedule and each of `runs` (kernel, CTA cap, buffer offsets) against
+// the CPU reference, for every recipe and rounding; runs whose offsets the payload or the scales cannot
+// take are left out (x stays element-aligned, fp32 scales 4-byte aligned).
+void compare_launcher_runs(const Case& c, uint32_t x_seed, const std::vector<KernelRun>& runs, int first_poison) {
+  Group gpu = Group::create_local(config_of(c), 0);
+  auto host = Group::create_simulated(1, config_of(c));
+  const Inputs in = make_inputs(c, 0);
+  const Tensor x = quant_input(c.T, c.H, c.payload, x_seed, true);
+  for (const QuantVariant& v : kQuantVariants) {
+    const Dispatched want = quant_dispatch(host[0], c, v, in, x, QPath::kPublic, 0xEE);
+    int poison = first_poison;
+    for (cuda::QuantizeSchedule schedule : kQuantizeSchedules)
+      for (const KernelRun& k : runs) {
+        if (k.x_offset % static_cast<int>(dtype_size(c.payload)) != 0) continue;
+        if (v.recipe == QuantRecipe::kFp8Block1x128 && k.scale_offset % 4 != 0) continue;
+        SCOPED_TRACE(detail::concat(describe(c), " ", describe(v), " ", describe(k), " schedule=",
+                                    cuda::quantize_schedule_name(schedule)));
+        expect_same_dispatch(quant_dispatch(gpu, c, v, in, x, QPath::kLauncher, poison += 0x26, k, schedule), want,
+                             "fused launcher vs CPU reference");
+      }
+  }
+}
+
 // Every schedule (batched or pipelined x loads, one or two staged rows a warp): rows shorter than one
 // batch (H = 512), model-sized rows whose last batch is partial (H = 7168: 3.5 batches for bf16), few
 // CTAs so each warp walks many tokens and the pipelined loads cross tokens, x 16-byte aligned and
@@ -792,26 +815,13 @@ TEST(EpLocalGpuQuantize, SchedulesMatchReference) {
   model.K = 8;
   model.H = 7168;
   model.align = 32;
+  const std::vector<KernelRun> runs = {{cuda::PermuteKernel::kBulk, 0, 0, 0, 0},
+                                       {cuda::PermuteKernel::kBulk, 3, 0, 0, 0},
+                                       {cuda::PermuteKernel::kWarp, 5, 4, 0, 0}};
   for (DType p : {DType::kBF16, DType::kF32})
     for (Case c : {many, model}) {
       c.payload = p;
-      Group gpu = Group::create_local(config_of(c), 0);
-      auto host = Group::create_simulated(1, config_of(c));
-      const Inputs in = make_inputs(c, 0);
-      const Tensor x = quant_input(c.T, c.H, p, 11, true);
-      for (const QuantVariant& v : kQuantVariants) {
-        const Dispatched want = quant_dispatch(host[0], c, v, in, x, QPath::kPublic, 0xEE);
-        int poison = 0x17;
-        for (cuda::QuantizeSchedule schedule : kQuantizeSchedules)
-          for (const KernelRun& k : {KernelRun{cuda::PermuteKernel::kBulk, 0, 0, 0, 0},
-                                     KernelRun{cuda::PermuteKernel::kBulk, 3, 0, 0, 0},
-                                     KernelRun{cuda::PermuteKernel::kWarp, 5, 4, 0, 0}}) {
-            SCOPED_TRACE(detail::concat(describe(c), " ", describe(v), " ", describe(k), " schedule=",
-                                        cuda::quantize_schedule_name(schedule)));
-            expect_same_dispatch(quant_dispatch(gpu, c, v, in, x, QPath::kLauncher, poison += 0x26, k, schedule),
-                                 want, "fused launcher vs CPU reference");
-          }
-      }
+      compare_launcher_runs(c, 11, runs, 0x17);
     }
 }
 
@@ -835,23 +845,7 @@ TEST(EpLocalGpuQuantize, KernelVariantsAndMisalignedBuffers) {
       c.payload = p;
       c.align = align;
       c.zipf = 1.5;
-      Group gpu = Group::create_local(config_of(c), 0);
-      auto host = Group::create_simulated(1, config_of(c));
-      const Inputs in = make_inputs(c, 0);
-      const Tensor x = quant_input(c.T, c.H, p, 7, true);
-      for (const QuantVariant& v : kQuantVariants) {
-        const Dispatched want = quant_dispatch(host[0], c, v, in, x, QPath::kPublic, 0xEE);
-        int poison = 0x21;
-        for (cuda::QuantizeSchedule schedule : kQuantizeSchedules)
-          for (const KernelRun& k : runs) {
-            if (k.x_offset % static_cast<int>(dtype_size(p)) != 0) continue;  // x stays element-aligned
-            if (v.recipe == QuantRecipe::kFp8Block1x128 && k.scale_offset % 4 != 0) continue;
-            SCOPED_TRACE(detail::concat(describe(c), " ", describe(v), " ", describe(k), " schedule=",
-                                        cuda::quantize_schedule_name(schedule)));
-            expect_same_dispatch(quant_dispatch(gpu, c, v, in, x, QPath::kLauncher, poison += 0x26, k, schedule),
-                                 want, "fused launcher vs CPU reference");
-          }
-      }
+      compare_launcher_runs(c, 7, runs, 0x21);
     }
 }
 
