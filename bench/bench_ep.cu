@@ -1,7 +1,9 @@
-// EP dispatch / combine across the local GPUs (one process, one thread per rank) on the NCCL group,
-// for each transport asked for (zero-copy, staged). Per rank and per op: median time, remote bytes /
-// time and its fraction of the copy-engine peer bandwidth measured in the same run, DeepEP's
-// "NVL GB/s" (all received rows, local included, x H x 2 bytes / time), the SM budget
+// EP dispatch / combine across the local GPUs on the NCCL group: one process driving every visible
+// GPU (a thread per rank), or, started by a launcher (RANK and WORLD_SIZE set, e.g.
+// scripts/run_ranks.sh), one process per GPU bootstrapped from the launcher's variables (rank 0
+// prints); for each transport asked for (zero-copy, staged). Per rank and per op: median time,
+// remote bytes / time and its fraction of the copy-engine peer bandwidth measured in the same run,
+// DeepEP's "NVL GB/s" (all received rows, local included, x H x 2 bytes / time), the SM budget
 // (GroupConfig::num_sms: no EP launch has more blocks; 0 = none: a fixed number of blocks drive the
 // link -- 64 in the zero-copy dispatch -- and the receive side takes every SM) and the most SMs a
 // launch can occupy, bytes registered, and the bytes a dispatch puts on the wire (the staged
@@ -62,40 +64,43 @@ double peer_copy_gb_per_s() {
   return bytes / (us * 1e-6) * 1e-9;
 }
 
+bool started_by_launcher() { return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr; }
+
 // Microseconds per op of `op` captured kOps times into one CUDA graph (on this rank's thread) and
-// replayed; every rank of the process captures and replays together. The host barriers keep graph
-// instantiation and teardown (which may allocate) away from a peer's exchange in flight.
-double graph_us(HostBarrier& bar, const std::function<void(cudaStream_t)>& op) {
+// replayed; every rank captures and replays together. The meetings (`meet`: every rank of the group
+// arrives) keep graph instantiation and teardown (which may allocate) away from a peer's exchange in
+// flight.
+double graph_us(const std::function<void()>& meet, const std::function<void(cudaStream_t)>& op) {
   constexpr int kOps = 20, kReplays = 10;
   cudaStream_t s = nullptr;
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t start = nullptr, stop = nullptr;
   EPX_CUDA_CHECK(cudaEventCreate(&start));
   EPX_CUDA_CHECK(cudaEventCreate(&stop));
-  bar.wait();
+  meet();
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   EPX_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < kOps; ++i) op(s);
   EPX_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  bar.wait();
+  meet();
   EPX_CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
   EPX_CUDA_CHECK(cudaStreamSynchronize(s));
-  bar.wait();
+  meet();
   EPX_CUDA_CHECK(cudaEventRecord(start, s));
   for (int i = 0; i < kReplays; ++i) EPX_CUDA_CHECK(cudaGraphLaunch(exec, s));
   EPX_CUDA_CHECK(cudaEventRecord(stop, s));
   EPX_CUDA_CHECK(cudaEventSynchronize(stop));
   float ms = 0;
   EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  bar.wait();
+  meet();
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(s);
-  bar.wait();
+  meet();
   return ms * 1e3 / (kOps * kReplays);
 }
 
@@ -133,14 +138,25 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
   cfg.max_topk = K;
   cfg.num_sms = sms;
   cfg.align = 1;
-  std::vector<Group> groups = Group::create_all_local(cfg);
-  const int R = static_cast<int>(groups.size());
-  HostBarrier bar(R);
+  const bool launched = started_by_launcher();
+  std::vector<Group> groups;
+  if (launched) groups.push_back(Group::create_from_env(cfg));
+  else groups = Group::create_all_local(cfg);
+  const int R = groups.front().size();
+  HostBarrier bar(static_cast<int>(groups.size()));
   std::vector<JsonLine> lines(R);
   std::vector<std::vector<JsonLine>> timelines(R);
   run_ranks(groups, [&](Group& g) {
     const Device dev = g.device();
     EPX_CUDA_CHECK(cudaSetDevice(dev.index));
+    // Every rank arrives: the threads of this process, or, one process per GPU, the group's ranks
+    // through a one-element all-reduce that this rank has waited for.
+    Tensor meeting = Tensor::zeros({1}, DType::kF32, dev);
+    auto meet = [&] {
+      if (!launched) return bar.wait();
+      all_reduce_sum(g, meeting);
+      EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    };
     const int64_t cap = g.recv_capacity_rows();
     Tensor idx = bench::random_expert_ids(T, E, K, 11 + g.rank(), dev);
     Tensor w = Tensor::full({T, K}, DType::kF32, 0.125).to(dev);
@@ -148,9 +164,9 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     Tensor recv = Tensor::empty({cap, H}, DType::kBF16, dev), rw = Tensor::empty({cap}, DType::kF32, dev);
     Tensor out = Tensor::empty({T, H}, DType::kBF16, dev);
     auto timed = [&](const std::function<void(int)>& fn) {
-      bar.wait();
+      meet();
       const double us = bench::time_us(fn, 10, 5, 2);
-      bar.wait();
+      meet();
       return us;
     };
     const double t_prep = timed([&](int) { Handle h = prepare(g, idx, w); });
@@ -172,13 +188,14 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     // A handle is dispatched once, so the dispatch graph prepares each time; the prepare-only graph's
     // time is subtracted. (Exact staged sizes cannot capture prepare: -1.)
     const bool capturable = !g.config().staged_exact_sizes;
-    const double g_pd = !capturable ? -1 : graph_us(bar, [&](cudaStream_t s) {
+    const double g_pd = !capturable ? -1 : graph_us(meet, [&](cudaStream_t s) {
       Handle hh = prepare(g, idx, w, {}, Stream{s});
       dispatch_forward(g, hh, x, w, recv, rw, Stream{s});
     });
-    const double g_prep = !capturable ? -1 : graph_us(bar, [&](cudaStream_t s) { Handle hh = prepare(g, idx, w, {}, Stream{s}); });
+    const double g_prep =
+        !capturable ? -1 : graph_us(meet, [&](cudaStream_t s) { Handle hh = prepare(g, idx, w, {}, Stream{s}); });
     const double g_disp = capturable ? g_pd - g_prep : -1;
-    const double g_comb = graph_us(bar, [&](cudaStream_t s) { combine_forward(g, h, recv, rw, out, Stream{s}); });
+    const double g_comb = graph_us(meet, [&](cudaStream_t s) { combine_forward(g, h, recv, rw, out, Stream{s}); });
     g.check();
     // FP8 dispatch (1x128 recipe: e4m3 rows and H/128 fp32 scales travel together), of an x already
     // quantized, and quantized on the way from the bf16 x.
@@ -193,7 +210,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
       Handle hh = prepare(g, idx, w);
       dispatch_forward(g, hh, x, TensorRef(), w, recv8, rs, rw);
     });
-    const double g_pd8 = !capturable ? -1 : graph_us(bar, [&](cudaStream_t s) {
+    const double g_pd8 = !capturable ? -1 : graph_us(meet, [&](cudaStream_t s) {
       Handle hh = prepare(g, idx, w, {}, Stream{s});
       dispatch_forward(g, hh, x8, xs, w, recv8, rs, rw, Stream{s});
     });
@@ -201,10 +218,10 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     // Built with -DEPX_EP_TIMELINE=ON: the phases of the last of a few warm zero-copy dispatches and
     // combines, per block.
     if (comm::ep_timeline_enabled() && g.transport() == Transport::kZeroCopy) {
-      bar.wait();
+      meet();
       comm::ep_timeline_clear_dispatch();
       comm::ep_timeline_clear_combine();
-      bar.wait();
+      meet();
       for (int rep = 0; rep < 5; ++rep) {
         Handle hh = prepare(g, idx, w);
         dispatch_forward(g, hh, x, w, recv, rw);
@@ -214,7 +231,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
       std::vector<JsonLine>& mine = timelines[g.rank()];
       if (comm::ep_timeline_read_dispatch(td)) mine.push_back(timeline_line("dispatch_timeline", g.rank(), T, H, td));
       if (comm::ep_timeline_read_combine(tc)) mine.push_back(timeline_line("combine_timeline", g.rank(), T, H, tc));
-      bar.wait();
+      meet();
       g.check();
     }
     Tensor sent = Tensor::wrap(h.state().send_tokens.ref(), nullptr).to(Device::cpu());
@@ -225,6 +242,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
       all_recv += got.ptr<int32_t>()[d];
     }
     const double t_disp = t_pd - t_prep, row = 2.0 * H, row8 = H + 4.0 * (H / 128);
+    auto of_link = [&](double gb_per_s) { return link > 0 ? gb_per_s / link : -1.0; };
     // Bytes this rank's dispatch sends to other ranks: the rows it needs, or on the staged
     // transport the fixed worst case (a whole region per peer, rows and metadata).
     // (exact staged sizes: only the slots each peer needs, rows and metadata)
@@ -239,6 +257,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("staged_exact_sizes", g.config().staged_exact_sizes)
         .add("rank", g.rank())
         .add("ranks", R)
+        .add("launch", launched ? "process_per_gpu" : "one_process_thread_per_gpu")
         .add("tokens", T)
         .add("hidden", H)
         .add("experts", E)
@@ -254,21 +273,22 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("combine_graph_us", g_comb)
         .add("remote_rows", remote_rows)
         .add("dispatch_remote_gb_per_s", remote_rows * row / t_disp * 1e-3)
-        .add("dispatch_link_fraction", remote_rows * row / t_disp * 1e-3 / link)
+        .add("dispatch_link_fraction", of_link(remote_rows * row / t_disp * 1e-3))
         .add("dispatch_nvl_gb_per_s", all_recv * row / t_disp * 1e-3)
         .add("combine_remote_gb_per_s", remote_rows * row / t_comb * 1e-3)
-        .add("combine_link_fraction", remote_rows * row / t_comb * 1e-3 / link)
+        .add("combine_link_fraction", of_link(remote_rows * row / t_comb * 1e-3))
         .add("fp8_dispatch_us", t_pd8 - t_prep)
         .add("fp8_dispatch_graph_us", capturable ? g_pd8 - g_prep : -1)
         .add("fp8_quantizing_dispatch_us", t_pdq - t_prep)
         .add("fp8_dispatch_remote_gb_per_s", remote_rows * row8 / (t_pd8 - t_prep) * 1e-3)
-        .add("fp8_dispatch_link_fraction", remote_rows * row8 / (t_pd8 - t_prep) * 1e-3 / link)
+        .add("fp8_dispatch_link_fraction", of_link(remote_rows * row8 / (t_pd8 - t_prep) * 1e-3))
         .add("dispatch_wire_bytes", wire)
         .add("dispatch_wire_gb_per_s", wire / t_disp * 1e-3)
         .add("registered_bytes", static_cast<long long>(g.registered_bytes()))
         .add("recv_capacity_rows", static_cast<long long>(cap));
   });
-  lines[0].print();
+  for (const Group& g : groups)  // rank 0's line, from the process that holds rank 0
+    if (g.rank() == 0) lines[0].print();
   for (const auto& per_rank : timelines)
     for (const JsonLine& l : per_rank) l.print();
 }
@@ -295,13 +315,19 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (detail::cuda_device_count() < 2) {
-    std::fprintf(stderr, "bench_ep: needs 2 GPUs, %d visible: skipped\n", detail::cuda_device_count());
+  const bool launched = started_by_launcher();
+  const int gpus = detail::cuda_device_count();
+  const int ranks = launched ? std::atoi(std::getenv("WORLD_SIZE")) : gpus;
+  if (ranks < 2) {
+    std::fprintf(stderr, "bench_ep: needs 2 ranks, %d %s: skipped\n", ranks, launched ? "launched" : "GPUs visible");
     return 0;
   }
   try {
-    const double link = peer_copy_gb_per_s();
-    JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
+    // The copy engine's GPU 0 -> 1 rate, where this process sees both (under a launcher: rank 0's
+    // process, before it joins the group); 0 (and link fractions of -1) where it cannot be measured.
+    const bool measure = gpus >= 2 && (!launched || std::atoi(std::getenv("RANK")) == 0);
+    const double link = measure ? peer_copy_gb_per_s() : 0.0;
+    if (measure) JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
     for (Transport tr : transports) {
       if (T) {
         run(T, H ? H : 7168, E ? E : 256, K ? K : 8, sms, link, tr);

@@ -4,6 +4,7 @@
 // Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
 // beside the shipped ones and counts the output elements where they differ.
 // usage: bench_grouped_gemm [--fp8 | --forward | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
+// EPX_BENCH_CASES="zipf_32_k7168_n2048,..." runs only the cases of those names.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -114,6 +115,23 @@ std::vector<int> zipf_sizes(int G, int total, double s) {
   for (int g = 0; g < G; ++g) used += (out[g] = static_cast<int>(total * w[g] / sum) / 8 * 8);
   out[0] += total - used;
   return out;
+}
+
+// The rows each local expert of rank 0 gets in a layer of `ranks` ranks, each routing `tokens` tokens
+// to K distinct experts of E drawn uniformly: what the layer's grouped GEMMs see (256 +- 16 rows an
+// expert on 2 ranks at DeepSeek-V3's shapes), unlike a benchmark's equal groups.
+std::vector<int> routed_sizes(int ranks, int tokens, int E, int K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int> count(E / ranks, 0), perm(E);
+  for (int t = 0; t < ranks * tokens; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> d(k, E - 1);
+      std::swap(perm[k], perm[d(rng)]);
+      if (perm[k] < E / ranks) ++count[perm[k]];
+    }
+  }
+  return count;
 }
 
 const char* forward_schedule_name(cuda::ForwardGemmSchedule s) {
@@ -277,12 +295,21 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
 }
 #endif
 
+// EPX_BENCH_CASES="a,b": only the cases of those names (every case when unset or empty).
+bool case_selected(const char* name) {
+  const char* v = std::getenv("EPX_BENCH_CASES");
+  if (v == nullptr || *v == '\0') return true;
+  const std::string list = std::string(",") + v + ",";
+  return list.find(std::string(",") + name + ",") != std::string::npos;
+}
+
 // One shape: the grouped forward and the dense cuBLASLt GEMM of the same FLOPs, and for a backward
 // shape dgrad and wgrad (fp32 and bf16 gradients), timed in one interleaved contest
 // (time_interleaved) so every ratio compares them at the same sustained clock; then the candidates
 // (trials build) and the FP8 forward.
 void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, double hbm, bool backward,
          int align = 1) {
+  if (!case_selected(name)) return;
   const LayoutD L = layout(sizes, align);
   const int G = static_cast<int>(sizes.size());
   Tensor x = device_random({L.total, K}, DType::kBF16, 1, 1.0), w = device_random({G, K, N}, DType::kBF16, 2, 0.02);
@@ -306,7 +333,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
   std::vector<std::function<void()>> fns = {[&] { grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align); },
                                             [&] { gemm(x, wd, yd); }};
   // Where groups start on 128-row blocks auto may run the contiguous kernel: the pointer-array
-  // schedules join the contest (last), so the lines compare them at the same clock.
+  // schedules join the contest (last), forward and dgrad, so the lines compare them at the same clock.
   const std::vector<const char*> pointer_array =
       L.row_align % 128 == 0 ? std::vector<const char*>{"cooperative", "pingpong"} : std::vector<const char*>{};
   Tensor dy, dx, dw32, dw16;
@@ -324,6 +351,12 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
       const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
       grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align);
     });
+  if (backward)
+    for (const char* schedule : pointer_array)
+      fns.push_back([&, schedule] {
+        const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
+        grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx, {}, L.row_align);
+      });
   // The forward on fewer SMs, as an overlapped MoE layer runs it beside its collectives (their
   // budget of 16 or 32 SMs left free): what that budget costs the GEMM.
   const int sms = cuda::sm_count();
@@ -355,16 +388,19 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
           .print();
   }
   const size_t first_limit = t.size() - sm_limits.size();
+  const size_t first_schedule = first_limit - pointer_array.size() * (backward ? 2 : 1);
   for (size_t i = 0; i < sm_limits.size(); ++i) {
     const double ti = t[first_limit + i];
     JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("sm_limit", sm_limits[i])
         .add("sms", sms).add("time_us", ti).add("tflops", flops / ti * 1e-6).add("fraction_of_all_sms", tf / ti)
         .print();
   }
-  for (size_t i = 0; i < pointer_array.size(); ++i) {
-    const double ti = t[first_limit - pointer_array.size() + i];
-    JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("schedule", pointer_array[i])
-        .add("time_us", ti).add("tflops", flops / ti * 1e-6).add("auto_speedup", ti / tf).print();
+  for (size_t i = 0; i < pointer_array.size() * (backward ? 2 : 1); ++i) {
+    const bool dgrad = i >= pointer_array.size();
+    const double ti = t[first_schedule + i], t_auto = dgrad ? t[2] : tf;
+    JsonLine().add("impl", "epx").add("op", dgrad ? "grouped_gemm_dgrad" : "grouped_gemm_forward").add("case", name)
+        .add("schedule", pointer_array[i % pointer_array.size()]).add("time_us", ti).add("tflops", flops / ti * 1e-6)
+        .add("auto_speedup", ti / t_auto).print();
   }
 #ifdef EPX_GEMM_TRIALS
   run_forward_trials(name, false, {x.data(), K, 0}, {w.data(), N, K * N}, N, K, N, L, G, flops);
@@ -378,6 +414,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
 // all and the candidate kernels; empty runs the shipped ones.
 void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N,
                         const std::string& only = {}) {
+  if (!case_selected(name)) return;
   const LayoutD L = layout(sizes);
   const int G = static_cast<int>(sizes.size());
   Tensor x = device_random({L.total, K}, DType::kBF16, 5, 1.0), dy = device_random({L.total, N}, DType::kBF16, 6, 1.0);
@@ -539,6 +576,12 @@ int main(int argc, char** argv) {
     // The DeepSeek-V3 layer on 2 GPUs: 128 local experts, ~256 rows each; stacked FC1 (N = 2F) and FC2.
     run("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096, hbm, true);
     run("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168, hbm, true);
+    // The same layers' experts as routing fills them (uniform top-8 of 256, 4096 tokens a rank; groups
+    // padded to 16 rows, the layer's default align): 2 ranks (~256 rows an expert) and one GPU (~128).
+    const std::vector<int> routed2 = routed_sizes(2, 4096, 256, 8, 17), routed1 = routed_sizes(1, 4096, 256, 8, 18);
+    run("dsv3_fc1_routed_2ranks_k7168_n4096", routed2, 7168, 4096, hbm, true, 16);
+    run("dsv3_fc2_routed_2ranks_k2048_n7168", routed2, 2048, 7168, hbm, true, 16);
+    run("dsv3_fc1_routed_1rank_k7168_n4096", routed1, 7168, 4096, hbm, false, 16);
     if (g_forward_only || g_fp8_only) {  // the one-GPU DeepSeek-V3 layer's shapes too: 256 experts, ~128 rows each
       run("dsv3_fc1_256x128_k7168_n4096", std::vector<int>(256, 128), 7168, 4096, hbm, true);
       run("dsv3_fc2_256x128_k2048_n7168", std::vector<int>(256, 128), 2048, 7168, hbm, true);

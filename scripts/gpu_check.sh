@@ -23,6 +23,8 @@
 # picks which of its four runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
 # dispatch/combine at those token counts only (H=7168, E=256), on every local GPU: bench_ep with its
 # default budget of 32 SMs on both transports, without a budget (--sms 0), and staged with exact sizes.
+# EP_LAUNCH=process runs bench_ep there one process per GPU (scripts/run_ranks.sh) instead of one
+# process driving every GPU.
 # EPX_* variables reach every step: `EPX_EP_BARRIER=launch scripts/gpu_check.sh build tests mptests`
 # runs the suites with the EP ops' opening barrier in a launch of its own (the default holds it inside
 # the op's launch).
@@ -293,23 +295,35 @@ fi
 
 if has epbench; then
   [ -f "$OUT/bench.jsonl" ] || : >"$OUT/bench.jsonl"
+  # bench_ep SECONDS ARGS...: one process driving every GPU, or with EP_LAUNCH=process one process per
+  # GPU (scripts/run_ranks.sh; rank 0's JSON lines; every rank's output in bench_ep_ranks.log).
+  bench_ep() {
+    local secs=$1
+    shift
+    if [ "${EP_LAUNCH:-}" = process ]; then
+      timeout "$secs" scripts/run_ranks.sh "$(nvidia-smi -L | wc -l)" "$BUILD/bin/bench_ep" "$@" 2>&1 |
+        tee -a "$OUT/bench_ep_ranks.log" | sed -n 's/^\[rank 0\] {/{/p'
+    else
+      timeout "$secs" "$BUILD/bin/bench_ep" "$@"
+    fi
+  }
   shapes=("--tokens 4096 --hidden 7168 --experts 256" "--tokens 128 --hidden 7168 --experts 256"
           "--tokens 4096 --hidden 4096 --experts 64")
   if [ -n "${EP_TOKENS:-}" ]; then
     shapes=()
     for t in $EP_TOKENS; do
       shapes+=("--tokens $t --hidden 7168 --experts 256")
-      timeout 300 "$BUILD/bin/bench_ep" --tokens "$t" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
+      bench_ep 300 --tokens "$t" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" ||
         summary "bench_ep --tokens $t failed rc=$?"
       # without an SM budget: 32 blocks drive the link, the receive side takes every SM
-      timeout 120 "$BUILD/bin/bench_ep" --tokens "$t" --transport zerocopy --sms 0 >>"$OUT/bench.jsonl" \
+      bench_ep 120 --tokens "$t" --transport zerocopy --sms 0 >>"$OUT/bench.jsonl" \
         2>>"$OUT/bench.err" || summary "bench_ep --tokens $t --sms 0 failed rc=$?"
       # the staged transport moving only the slots each peer needs
-      EPX_STAGED_SIZES=exact timeout 120 "$BUILD/bin/bench_ep" --tokens "$t" --transport staged >>"$OUT/bench.jsonl" \
+      EPX_STAGED_SIZES=exact bench_ep 120 --tokens "$t" --transport staged >>"$OUT/bench.jsonl" \
         2>>"$OUT/bench.err" || summary "bench_ep --tokens $t (staged, exact sizes) failed rc=$?"
     done
   else
-    timeout 480 "$BUILD/bin/bench_ep" --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
+    bench_ep 480 --transport both >>"$OUT/bench.jsonl" 2>>"$OUT/bench.err" || summary "bench_ep failed rc=$?"
   fi
   if [ -f .carry/bench/torch_ep_baseline.py ]; then
     for shape in "${shapes[@]}"; do
@@ -424,7 +438,8 @@ PY
 fi
 if has scaling; then
   # How the time per rank grows with the number of ranks, on one machine: for each R of SCALING_RANKS
-  # (default "2 N", N = the visible GPUs) the first R GPUs run bench_ep at SCALING_TOKENS (default
+  # (default "2 N", N = the visible GPUs) the first R GPUs run bench_ep, one process per GPU
+  # (scripts/run_ranks.sh), at SCALING_TOKENS (default
   # "4096 128"; H=7168, E=256, K=8, both transports, 32-SM budget), the PyTorch dispatch/combine of
   # the same shapes, `epx bench layer` (both presets) with one EPX_PROFILE run of DeepSeek-V3 for the
   # phases, and the PyTorch layer; every line goes to scaling.jsonl (each carries its "ranks").
@@ -439,8 +454,11 @@ if has scaling; then
     fi
     vis=$(seq -s, 0 $((r - 1)))
     for t in ${SCALING_TOKENS:-4096 128}; do
-      CUDA_VISIBLE_DEVICES=$vis timeout 300 "$BUILD/bin/bench_ep" --tokens "$t" --transport both \
-        >>"$OUT/scaling.jsonl" 2>>"$OUT/scaling.err" || summary "scaling: bench_ep R=$r T=$t failed rc=$?"
+      # one process per GPU, as a job launcher starts them; rank 0's lines
+      log="$OUT/scaling_bench_ep_r${r}_t${t}.log"
+      CUDA_VISIBLE_DEVICES=$vis timeout 300 scripts/run_ranks.sh "$r" "$BUILD/bin/bench_ep" --tokens "$t" \
+        --transport both >"$log" 2>&1 || summary "scaling: bench_ep R=$r T=$t failed rc=$?"
+      sed -n 's/^\[rank 0\] {/{/p' "$log" >>"$OUT/scaling.jsonl"
       if [ -f .carry/bench/torch_ep_baseline.py ]; then
         CUDA_VISIBLE_DEVICES=$vis PYTHONUNBUFFERED=1 timeout 240 python3 .carry/bench/torch_ep_baseline.py \
           --tokens "$t" --hidden 7168 --experts 256 --modes dc --iters 10 >>"$OUT/scaling.jsonl" \
