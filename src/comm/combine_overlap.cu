@@ -9,7 +9,7 @@
 //    index first, remote sources before this rank, so partials cross the link from the start;
 //  - a sum warp takes one of this rank's tokens, waits (acquire, with the group's timeout) until the
 //    chunk holding each of its slots is complete on every rank it went to, then sums the partials
-//    in rank order (sum_partials, past L1). By default (fuse_local) the partial of the token's slot
+//    in rank order (sum_partials, past L1). With fuse_local the partial of the token's slot
 //    on this rank is not a reduce warp's item: the sum warp makes it from the expert rows, rounded as
 //    the window would hold it, and waits only for the peers' (sum_partials_local_fused);
 //  - a chunk is read by several sum warps (a chunk holds slots of scattered tokens), so nobody can
@@ -155,59 +155,39 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   }
 }
 
-// This rank's own partials: made by the sum warps from the expert rows (fused), which saves a row
-// write and read per token, or, as the peers' are, written into this rank's window by reduce warps and
-// read back by the sums (window); the bits are the same. EPX_COMBINE_LOCAL=auto (default: fused where
-// the rank has a token or more per sum warp, see launch_warps), fused or window.
-enum class LocalPartials { kAuto, kFused, kWindow };
-LocalPartials local_partials() {
-  static const LocalPartials mode = [] {
+// This rank's own partials: as the peers' are, written into this rank's window by reduce warps and
+// read back by the sums (window, the default), or made by the sum warps from the expert rows
+// (EPX_COMBINE_LOCAL=fused), which saves a row write and read per token; the bits are the same.
+bool combine_fuses_local() {
+  static const bool fused = [] {
     const char* v = std::getenv("EPX_COMBINE_LOCAL");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return LocalPartials::kAuto;
-    if (std::strcmp(v, "fused") == 0) return LocalPartials::kFused;
-    if (std::strcmp(v, "window") == 0) return LocalPartials::kWindow;
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "window") == 0) return false;
+    if (std::strcmp(v, "fused") == 0) return true;
     throw Error(Status::kInvalidArgument,
-                detail::concat("epx: EPX_COMBINE_LOCAL is \"", v, "\", expected auto, fused or window"));
+                detail::concat("epx: EPX_COMBINE_LOCAL is \"", v, "\", expected fused or window"));
   }();
-  return mode;
+  return fused;
 }
 
 template <class T, int N, int W>
 bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
-  const DeviceGroup& g = a.g;
-  // The partials get every resident slot the sums leave, up to three blocks per SM
-  // (EPX_COMBINE_REDUCE_PER_SM). The sums' share (EPX_COMBINE_SUM_BLOCKS; under an SM budget
-  // EPX_COMBINE_BUDGET_SUM_PER_MILLE of it):
-  //  - window: half a block per SM, a quarter of a budget: they mostly wait, then stream R partials
-  //    per token. At 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 / 333 / 400 per mille gave
-  //    599 / 664 / 682 us.
-  //  - fused: they also make this rank's partials, K / R rows a token: two blocks per SM (2 ranks) or
-  //    one and a half (more), two thirds / half of a budget. On 4 x H200, T=4096, H=7168 (combine us,
-  //    two rounds): 2 ranks, 231 / 264 / 297 sum blocks 347 / 302 / 342 (window 310-326); 4 ranks,
-  //    132 / 198 680 / 605-611 (window 677-683); at 32 SMs, 2 ranks, 500 / 667 / 750 per mille
-  //    750-759 / 621-630 / 718 (window 749-782), 4 ranks 400 / 500 / 667 1090-1122 / 862-872 / 947
-  //    (window 1079-1103).
+  const bool fuse = combine_fuses_local();
+  // The partials are most of the work (K / R rows read per partial): they get every resident slot
+  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per
+  // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token), a block per SM
+  // where they also make this rank's own partials (fused).
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
-  static const int sum_blocks_env = overlap_knob("EPX_COMBINE_SUM_BLOCKS", 0);
-  static const int sum_share_env = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 0);
-  auto sum_blocks_for = [&](bool fused) {
-    if (g.sm_budget > 0) {
-      const int share = sum_share_env > 0 ? sum_share_env : !fused ? 250 : g.R <= 2 ? 667 : 500;
-      return std::max(1, std::min(cap - 1, g.sm_budget * share / 1000));
-    }
-    const int blocks = sum_blocks_env > 0 ? sum_blocks_env : !fused ? std::max(1, sms / 2)
-                                                            : g.R <= 2 ? 2 * sms : 3 * sms / 2;
-    return std::min(blocks, cap - 1);
-  };
-  // auto: fused only where every sum warp has a token or more to take: with fewer (decode sizes) a token's
-  // sum is a chain of its local rows' loads, then the wait for its peers', where the window path
-  // splits the local partials over the reduce warps (T=128, 2 ranks: 27 against 25 us).
-  const LocalPartials mode = local_partials();
-  const bool fuse = mode == LocalPartials::kFused ||
-                    (mode == LocalPartials::kAuto && a.T >= static_cast<int64_t>(sum_blocks_for(true)) * W);
-  const int sum = sum_blocks_for(fuse);
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, fuse ? sms : sms / 2));
+  // Under an SM budget (GroupConfig::num_sms): a quarter of it sums (EPX_COMBINE_BUDGET_SUM_PER_MILLE,
+  // default 250; 500 fused), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100
+  // (window): 250 / 333 / 400 gave 599 / 664 / 682 us; 32-warp blocks instead of 24 (spilling) 664 us
+  // at 333 and 763 at 250; on 4 x H200 16-warp blocks took 767 us against 615 with 24.
+  const DeviceGroup& g = a.g;
+  static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", fuse ? 500 : 250);
+  const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
+                                  : std::min(sum_blocks, cap - 1);
   const int reduce = std::min(budget_blocks(g, per_sm * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
   if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
