@@ -9,9 +9,7 @@
 //    index first, remote sources before this rank, so partials cross the link from the start;
 //  - a sum warp takes one of this rank's tokens, waits (acquire, with the group's timeout) until the
 //    chunk holding each of its slots is complete on every rank it went to, then sums the partials
-//    in rank order (sum_partials, past L1). With fuse_local the partial of the token's slot
-//    on this rank is not a reduce warp's item: the sum warp makes it from the expert rows, rounded as
-//    the window would hold it, and waits only for the peers' (sum_partials_local_fused);
+//    in rank order (sum_partials, past L1);
 //  - a chunk is read by several sum warps (a chunk holds slots of scattered tokens), so nobody can
 //    take its count: the last block of the grid to finish (a ticket) zeroes this rank's counters,
 //    which every peer has finished bumping by then (each was waited for). The next op's
@@ -33,7 +31,6 @@
 #include "comm/ep_device.cuh"
 #include "comm/ep_timeline.cuh"
 #include "cuda/common/cuda_check.h"
-#include "epx/error.h"
 
 namespace epx::comm::ep_device {
 namespace {
@@ -61,17 +58,14 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
     int maxc = 0;
     int64_t slots = 0;
-    // fuse_local: this rank's own slots are the sums' work, the partials here only the peers'.
-    const int sources = a.fuse_local ? R - 1 : R;
     for (int s = 0; s < R; ++s) {
-      if (a.fuse_local && s == g.rank) continue;
       maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
       slots += a.recv_tokens[s];
     }
     // Work items fit in 32 bits: at most max_tokens x R x kMaxPieces.
     const int warps = reduce_blocks * W;
     const int pieces = pieces_for(slots, warps, nvec, a.max_pieces);
-    const int span = sources * kArrivalChunk;  // slots of one chunk index
+    const int span = R * kArrivalChunk;  // slots of one chunk index
     // A warp's first item is its index; each further one is its index plus the warps, or, with
     // claim_items (under an SM budget), the next unclaimed item. Partials differ in their rows (0 to
     // K on a rank), so a fixed stride can leave some warps with far more rows than others; claiming
@@ -103,23 +97,11 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       const int piece = q % pieces;
       for (int d = lane; d < R; d += 32) slot_s[warp][d] = a.token_slot[t * R + d];
       __syncwarp();
-      // This rank's own partial's rows (fuse_local), gathered before the wait for the peers' partials.
-      int n_local = 0;
-      if (a.fuse_local) {
-        const int32_t sl = slot_s[warp][g.rank];
-        int32_t row = -1;
-        float w = 1.0f;
-        if (sl >= 0 && lane < a.K) {
-          row = a.recv_row[(static_cast<int64_t>(g.rank) * g.max_tokens + sl) * a.K + lane];
-          if (row >= 0 && a.row_weights) w = a.row_weights[row];
-        }
-        n_local = cuda::compact_rows(row, w, a.K, lane, rows_s[warp], w_s[warp]);
-      }
       int ok = 1;
       if (lane == 0) {
         for (int d = 0; d < R && ok; ++d) {
           const int32_t sl = slot_s[warp][d];
-          if (sl < 0 || (a.fuse_local && d == g.rank)) continue;
+          if (sl < 0) continue;
           const int c = sl / kArrivalChunk;
           ok = wait_arrivals(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)),
                              a.op_code);
@@ -128,10 +110,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       __syncwarp();  // lane 0's acquire before every lane's reads
       ok = __shfl_sync(0xffffffffu, ok, 0);
       if (q == (static_cast<int>(blockIdx.x) - reduce_blocks) * W) EPX_STAMP(kTlFirst);
-      if (ok && a.fuse_local)
-        sum_partials_local_fused<T, N>(a, t, lane, slot_s[warp], rows_s[warp], w_s[warp], n_local,
-                                       piece_range(nvec, pieces, piece));
-      else if (ok)
+      if (ok)
         sum_partials<T, N>(a, t, lane, slot_s[warp], true, piece_range(nvec, pieces, piece));
     }
   }
@@ -155,37 +134,21 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   }
 }
 
-// This rank's own partials: as the peers' are, written into this rank's window by reduce warps and
-// read back by the sums (window, the default), or made by the sum warps from the expert rows
-// (EPX_COMBINE_LOCAL=fused), which saves a row write and read per token; the bits are the same.
-bool combine_fuses_local() {
-  static const bool fused = [] {
-    const char* v = std::getenv("EPX_COMBINE_LOCAL");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "window") == 0) return false;
-    if (std::strcmp(v, "fused") == 0) return true;
-    throw Error(Status::kInvalidArgument,
-                detail::concat("epx: EPX_COMBINE_LOCAL is \"", v, "\", expected fused or window"));
-  }();
-  return fused;
-}
-
 template <class T, int N, int W>
 bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
-  const bool fuse = combine_fuses_local();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
   // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per
-  // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token), a block per SM
-  // where they also make this rank's own partials (fused).
+  // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token).
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
-  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, fuse ? sms : sms / 2));
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
   // Under an SM budget (GroupConfig::num_sms): a quarter of it sums (EPX_COMBINE_BUDGET_SUM_PER_MILLE,
-  // default 250; 500 fused), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100
-  // (window): 250 / 333 / 400 gave 599 / 664 / 682 us; 32-warp blocks instead of 24 (spilling) 664 us
-  // at 333 and 763 at 250; on 4 x H200 16-warp blocks took 767 us against 615 with 24.
+  // default 250), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 /
+  // 333 / 400 gave 599 / 664 / 682 us; 32-warp blocks instead of 24 (spilling) 664 us at 333 and
+  // 763 at 250; on 4 x H200 16-warp blocks took 767 us against 615 with 24.
   const DeviceGroup& g = a.g;
-  static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", fuse ? 500 : 250);
+  static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 250);
   const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
                                   : std::min(sum_blocks, cap - 1);
   const int reduce = std::min(budget_blocks(g, per_sm * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
@@ -200,7 +163,6 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   static const char* items_env = std::getenv("EPX_COMBINE_ITEMS");
   const bool claim = items_env != nullptr ? std::strcmp(items_env, "claim") == 0 : a.g.sm_budget > 0;
   ReduceArgs ra = a;
-  ra.fuse_local = fuse;
   ra.max_pieces = max_pieces;
   ra.claim_items = claim;
   ra.inline_barrier = inline_barrier;

@@ -53,48 +53,10 @@ __device__ __forceinline__ int compact_rows(int32_t row, float w, int K, int lan
   return __popc(here);
 }
 
-/// acc[u] = sum over the n rows (in order) of w_k x in[rows[k]][v0 + 32 u] (plain sum without
-/// weights) in fp32, for the kUnroll vectors v0 + 32 u below end. kRows rows x kUnroll vectors are
-/// loaded before the first add; per element the rows still add in order, so the sums are those of the
-/// plain loop. What a partial of combine is, before its one rounding.
-template <int kRows, int kUnroll, class T, int N>
-__device__ __forceinline__ void weighted_rows_at(const Pack<T, N>* in, int64_t nvec, const int32_t* rows,
-                                                 const float* w, int n, bool weighted, int64_t v0, int64_t end,
-                                                 float (&acc)[kUnroll][N]) {
-  using P = Pack<T, N>;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
-  for (int k0 = 0; k0 < n; k0 += kRows) {
-    P p[kRows][kUnroll];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t base = static_cast<int64_t>(k0 + j < n ? rows[k0 + j] : 0) * nvec + v0;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (k0 + j < n && v0 + u * 32 < end) p[j][u] = in[base + u * 32];
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      if (k0 + j >= n) break;
-      const float wk = w[k0 + j];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (weighted) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, pack_float(p[j][u], i), acc[u][i]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[j][u], i);
-        }
-      }
-    }
-  }
-}
-
-/// dst[v] = weighted_rows_at's sums, rounded once to T, for the vectors v in [begin, end) that are
-/// lane + multiples of 32.
+/// dst[v] = sum over the n rows (in order) of w_k x in[rows[k]][v] (plain sum without weights), fp32
+/// accumulation, one rounding, for the vectors v in [begin, end) that are lane + multiples of 32. kRows
+/// rows x kUnroll vectors per lane are loaded before the first add; per element the rows still add in
+/// order, so the sums are those of the plain loop.
 template <int kRows, int kUnroll, class T, int N>
 __device__ __forceinline__ void weighted_row_sum(const Pack<T, N>* in, int64_t nvec, const int32_t* rows,
                                                  const float* w, int n, bool weighted, Pack<T, N>* dst,
@@ -102,7 +64,35 @@ __device__ __forceinline__ void weighted_row_sum(const Pack<T, N>* in, int64_t n
   using P = Pack<T, N>;
   for (int64_t v0 = begin + lane; v0 < end; v0 += 32 * kUnroll) {
     float acc[kUnroll][N];
-    weighted_rows_at<kRows, kUnroll>(in, nvec, rows, w, n, weighted, v0, end, acc);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
+    for (int k0 = 0; k0 < n; k0 += kRows) {
+      P p[kRows][kUnroll];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int64_t base = static_cast<int64_t>(k0 + j < n ? rows[k0 + j] : 0) * nvec + v0;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (k0 + j < n && v0 + u * 32 < end) p[j][u] = in[base + u * 32];
+      }
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        if (k0 + j >= n) break;
+        const float wk = w[k0 + j];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (weighted) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, pack_float(p[j][u], i), acc[u][i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[j][u], i);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (v0 + u * 32 >= end) continue;
