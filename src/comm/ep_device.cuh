@@ -395,6 +395,77 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   __syncwarp();
 }
 
+// The source-side sum of token t (one warp), vectors r of it, where this rank's own partial is made
+// here instead of going through its window (combine_overlap_kernel's kFuse): the partial of the local
+// slot slots[g.rank] from its n rows in rows_s / w_s (compact_rows, slot order), computed as reduce_partial
+// computes it and rounded to T as its window would have held it, then added in rank order with the
+// partials of the other ranks. So the bits are those of sum_partials after reduce_partial, without the
+// partial's write and read. The lead piece also writes the token's top-k weight gradients, the local
+// ones from row_scalars as reduce_partial would have put them into the slot's meta.
+template <class T, int N>
+__device__ __forceinline__ void sum_partials_local_fused(const ReduceArgs& a, int64_t t, int lane, const int32_t* slots,
+                                                         const int32_t* rows_s, const float* w_s, int n, VecRange r) {
+  using P = Pack<T, N>;
+  const DeviceGroup& g = a.g;
+  const int64_t nvec = a.H / N;
+  if (a.d_topk_weights && lane < a.K && r.begin == 0) {
+    const int32_t e = a.routed[t * a.K + lane];
+    float v = 0.0f;
+    if (e >= 0) {
+      const int d = e / g.Le;
+      const double* wp = &in_meta(g, d, slots[d])[lane].weight;
+      v = static_cast<float>(__ldcg(wp));
+      if (d == g.rank) {
+        const int32_t row = a.recv_row[(static_cast<int64_t>(g.rank) * g.max_tokens + slots[d]) * a.K + lane];
+        if (row >= 0 && a.row_scalars) v = a.row_scalars[row];  // what the meta would hold, as a double
+      }
+    }
+    a.d_topk_weights[t * a.K + lane] = v;
+  }
+  P* out = static_cast<P*>(a.out) + t * nvec;
+  const bool here = slots[g.rank] >= 0;
+  for (int64_t v0 = r.begin + lane; v0 < r.end; v0 += 32 * kReduceUnroll) {
+    float mine[kReduceUnroll][N];
+    if (here)
+      cuda::weighted_rows_at<kReduceRows, kReduceUnroll>(static_cast<const P*>(a.rows_in), nvec, rows_s, w_s, n,
+                                                         a.row_weights != nullptr, v0, r.end, mine);
+    float acc[kReduceUnroll][N];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
+    for (int d = 0; d < g.R; ++d) {
+      const int32_t sl = slots[d];
+      if (sl < 0) continue;
+      if (d == g.rank) {
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[u][i] += cuda::to_float(cuda::from_float<T>(mine[u][i]));
+        continue;
+      }
+      const P* src = reinterpret_cast<const P*>(in_row(g, d, sl, a.stride));
+      P p[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+        if (v0 + u * 32 < r.end) p[u] = load_pack(src + v0 + u * 32, true);
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[u], i);
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (v0 + u * 32 >= r.end) continue;
+      P o;
+#pragma unroll
+      for (int i = 0; i < N; ++i) o.v[i] = cuda::from_float<T>(acc[u][i]);
+      out[v0 + u * 32] = o;
+    }
+  }
+  __syncwarp();
+}
+
 // The source-side sum of token t (one warp), vectors r of it: out[t] = 0 + the partials of ranks 0,
 // 1, ... that hold its experts (slots[d] >= 0); the piece that starts the row also writes the
 // token's top-k weight gradients from the partials' meta.
