@@ -9,11 +9,7 @@
 //    index first, remote sources before this rank, so partials cross the link from the start;
 //  - a sum warp takes one of this rank's tokens, waits (acquire, with the group's timeout) until the
 //    chunk holding each of its slots is complete on every rank it went to, then sums the partials
-//    in rank order (sum_partials, past L1). The fused kernel (kFuse) leaves the partial of a
-//    token's slot on this rank out of the reduce warps' items: the sum warp makes it from the expert
-//    rows, rounded as the window would hold it, and waits only for the peers'
-//    (sum_partials_local_fused). A kernel of its own, so the window kernel's registers stay as they
-//    were (one kernel with both paths spilled in the hot loops and took 1.25x the time);
+//    in rank order (sum_partials, past L1);
 //  - a chunk is read by several sum warps (a chunk holds slots of scattered tokens), so nobody can
 //    take its count: the last block of the grid to finish (a ticket) zeroes this rank's counters,
 //    which every peer has finished bumping by then (each was waited for). The next op's
@@ -31,12 +27,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <utility>
 
 #include "comm/ep_device.cuh"
 #include "comm/ep_timeline.cuh"
 #include "cuda/common/cuda_check.h"
-#include "epx/error.h"
 
 namespace epx::comm::ep_device {
 namespace {
@@ -45,7 +39,7 @@ EPX_TIMELINE_BUFFER()
 
 // W warps per block: kWarps, three blocks per SM (register cap 85); kBudgetCombineWarps under an SM
 // budget, one block per SM with the same register cap.
-template <class T, int N, int W, bool kFuse>
+template <class T, int N, int W>
 __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     combine_overlap_kernel(const __grid_constant__ ReduceArgs a, int reduce_blocks) {
   __shared__ int32_t rows_s[W][kMaxK];
@@ -64,16 +58,14 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
     int maxc = 0;
     int64_t slots = 0;
-    const int sources = kFuse ? R - 1 : R;  // kFuse: this rank's own slots are the sums' work
     for (int s = 0; s < R; ++s) {
-      if (kFuse && s == g.rank) continue;
       maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
       slots += a.recv_tokens[s];
     }
     // Work items fit in 32 bits: at most max_tokens x R x kMaxPieces.
     const int warps = reduce_blocks * W;
     const int pieces = pieces_for(slots, warps, nvec, a.max_pieces);
-    const int span = sources * kArrivalChunk;  // slots of one chunk index
+    const int span = R * kArrivalChunk;  // slots of one chunk index
     // A warp's first item is its index; each further one is its index plus the warps, or, with
     // claim_items (under an SM budget), the next unclaimed item. Partials differ in their rows (0 to
     // K on a rank), so a fixed stride can leave some warps with far more rows than others; claiming
@@ -105,23 +97,11 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       const int piece = q % pieces;
       for (int d = lane; d < R; d += 32) slot_s[warp][d] = a.token_slot[t * R + d];
       __syncwarp();
-      // kFuse: this rank's own partial's rows, gathered before the wait for the peers' partials.
-      [[maybe_unused]] int n_local = 0;
-      if constexpr (kFuse) {
-        const int32_t sl = slot_s[warp][g.rank];
-        int32_t row = -1;
-        float w = 1.0f;
-        if (sl >= 0 && lane < a.K) {
-          row = a.recv_row[(static_cast<int64_t>(g.rank) * g.max_tokens + sl) * a.K + lane];
-          if (row >= 0 && a.row_weights) w = a.row_weights[row];
-        }
-        n_local = cuda::compact_rows(row, w, a.K, lane, rows_s[warp], w_s[warp]);
-      }
       int ok = 1;
       if (lane == 0) {
         for (int d = 0; d < R && ok; ++d) {
           const int32_t sl = slot_s[warp][d];
-          if (sl < 0 || (kFuse && d == g.rank)) continue;
+          if (sl < 0) continue;
           const int c = sl / kArrivalChunk;
           ok = wait_arrivals(g, d, c, static_cast<uint32_t>(min(kArrivalChunk, a.send_tokens[d] - c * kArrivalChunk)),
                              a.op_code);
@@ -130,13 +110,8 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       __syncwarp();  // lane 0's acquire before every lane's reads
       ok = __shfl_sync(0xffffffffu, ok, 0);
       if (q == (static_cast<int>(blockIdx.x) - reduce_blocks) * W) EPX_STAMP(kTlFirst);
-      if constexpr (kFuse) {
-        if (ok)
-          sum_partials_local_fused<T, N>(a, t, lane, slot_s[warp], rows_s[warp], w_s[warp], n_local,
-                                         piece_range(nvec, pieces, piece));
-      } else {
-        if (ok) sum_partials<T, N>(a, t, lane, slot_s[warp], true, piece_range(nvec, pieces, piece));
-      }
+      if (ok)
+        sum_partials<T, N>(a, t, lane, slot_s[warp], true, piece_range(nvec, pieces, piece));
     }
   }
   EPX_STAMP(kTlRoleDone);
@@ -159,74 +134,26 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   }
 }
 
-// This rank's own partials: made by the sum warps from the expert rows (the fused kernel), which
-// saves a row write and read per token, or, as the peers' are, written into this rank's window by
-// reduce warps and read back by the sums (the window kernel); the bits are the same.
-// EPX_COMBINE_LOCAL=auto (default: fused where the rank has a token or more per sum warp, see
-// launch_warps), fused or window.
-enum class LocalPartials { kAuto, kFused, kWindow };
-LocalPartials local_partials() {
-  static const LocalPartials mode = [] {
-    const char* v = std::getenv("EPX_COMBINE_LOCAL");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return LocalPartials::kAuto;
-    if (std::strcmp(v, "fused") == 0) return LocalPartials::kFused;
-    if (std::strcmp(v, "window") == 0) return LocalPartials::kWindow;
-    throw Error(Status::kInvalidArgument,
-                detail::concat("epx: EPX_COMBINE_LOCAL is \"", v, "\", expected auto, fused or window"));
-  }();
-  return mode;
-}
-
-// The grid of one of the two kernels: {reduce blocks, sum blocks}. The partials get every resident
-// slot the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM). The sums' share
-// (EPX_COMBINE_SUM_BLOCKS; under an SM budget EPX_COMBINE_BUDGET_SUM_PER_MILLE of it):
-//  - window: half a block per SM, a quarter of a budget: they mostly wait, then stream R partials per
-//    token. At 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 / 333 / 400 per mille gave 599 / 664 /
-//    682 us; 32-warp blocks instead of 24 (spilling) 664 us at 333 and 763 at 250; on 4 x H200 16-warp
-//    blocks took 767 us against 615 with 24.
-//  - fused: they also make this rank's partials (K / R rows a token): two blocks per SM on 2 ranks,
-//    one and a half on more; two thirds / half of a budget. Swept with both paths in one kernel (which
-//    spilled, so absolute times are not the shipped ones) on 4 x H200, T=4096, H=7168, combine us: 2
-//    ranks, 231 / 264 / 297 sum blocks 347 / 302 / 342; 4 ranks, 132 / 198 680 / 605-611; at 32 SMs,
-//    2 ranks, 500 / 667 / 750 per mille 750-759 / 621-630 / 718, 4 ranks 400 / 500 / 667 1090-1122 /
-//    862-872 / 947.
-std::pair<int, int> combine_grid(const DeviceGroup& g, int cap, bool fused) {
-  const int sms = cuda::sm_count();
-  static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
-  static const int sum_blocks_env = overlap_knob("EPX_COMBINE_SUM_BLOCKS", 0);
-  static const int sum_share_env = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 0);
-  int sum = 0;
-  if (g.sm_budget > 0) {
-    const int share = sum_share_env > 0 ? sum_share_env : !fused ? 250 : g.R <= 2 ? 667 : 500;
-    sum = std::max(1, std::min(cap - 1, g.sm_budget * share / 1000));
-  } else {
-    const int blocks = sum_blocks_env > 0 ? sum_blocks_env
-                       : !fused           ? std::max(1, sms / 2)
-                       : g.R <= 2         ? 2 * sms
-                                          : 3 * sms / 2;
-    sum = std::min(blocks, cap - 1);
-  }
-  const int reduce = std::min(budget_blocks(g, per_sm * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
-  return {reduce, sum};
-}
-
 template <class T, int N, int W>
 bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
+  const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
+  const int sms = cuda::sm_count();
+  // The partials are most of the work (K / R rows read per partial): they get every resident slot
+  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per
+  // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token).
+  static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
+  // Under an SM budget (GroupConfig::num_sms): a quarter of it sums (EPX_COMBINE_BUDGET_SUM_PER_MILLE,
+  // default 250), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 /
+  // 333 / 400 gave 599 / 664 / 682 us; 32-warp blocks instead of 24 (spilling) 664 us at 333 and
+  // 763 at 250; on 4 x H200 16-warp blocks took 767 us against 615 with 24.
   const DeviceGroup& g = a.g;
-  const int cap_window = resident_blocks<combine_overlap_kernel<T, N, W, false>>(W * 32);
-  const int cap_fused = resident_blocks<combine_overlap_kernel<T, N, W, true>>(W * 32);
-  // auto: fused only where every sum warp has a token or more to take: with fewer (decode sizes) a
-  // token's sum is a chain of its local rows' loads, then the wait for its peers', where the window
-  // kernel splits the local partials over the reduce warps (T=128, 2 ranks: 27 against 25 us).
-  const LocalPartials mode = local_partials();
-  const auto fused_grid = combine_grid(g, cap_fused, true);
-  const bool fuse = mode == LocalPartials::kFused ||
-                    (mode == LocalPartials::kAuto && a.T >= static_cast<int64_t>(fused_grid.second) * W);
-  const auto [reduce, sum] = fuse ? fused_grid : combine_grid(g, cap_window, false);
+  static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 250);
+  const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
+                                  : std::min(sum_blocks, cap - 1);
+  const int reduce = std::min(budget_blocks(g, per_sm * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
-  if (debug)
-    std::fprintf(stderr, "epx: combine_overlap_kernel (%s) grid %d + %d (resident cap %d)\n", fuse ? "fused" : "window",
-                 reduce, sum, fuse ? cap_fused : cap_window);
+  if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;
   // Few rows: each partial and each sum over up to EPX_COMBINE_PIECES warps.
   static const int max_pieces = overlap_knob("EPX_COMBINE_PIECES", kMaxPieces);
@@ -239,8 +166,7 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   ra.max_pieces = max_pieces;
   ra.claim_items = claim;
   ra.inline_barrier = inline_barrier;
-  if (fuse) combine_overlap_kernel<T, N, W, true><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
-  else combine_overlap_kernel<T, N, W, false><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
+  combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
   EPX_CHECK_LAUNCH("combine_overlap_kernel");
   return true;
 }

@@ -104,46 +104,6 @@ __device__ __forceinline__ void weighted_row_sum(const Pack<T, N>* in, int64_t n
   }
 }
 
-/// weighted_row_sum's fp32 sums before their rounding, for the kUnroll vectors v0 + 32 u below end:
-/// the same loads and per-element order (the overlapped combine makes a rank's own partial with it in
-/// registers, and must give the bits weighted_row_sum would have stored). weighted_row_sum keeps its
-/// own loop: sharing this one changed the register allocation of kernels that did not need it.
-template <int kRows, int kUnroll, class T, int N>
-__device__ __forceinline__ void weighted_rows_at(const Pack<T, N>* in, int64_t nvec, const int32_t* rows,
-                                                 const float* w, int n, bool weighted, int64_t v0, int64_t end,
-                                                 float (&acc)[kUnroll][N]) {
-  using P = Pack<T, N>;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[u][i] = 0.0f;
-  for (int k0 = 0; k0 < n; k0 += kRows) {
-    P p[kRows][kUnroll];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t base = static_cast<int64_t>(k0 + j < n ? rows[k0 + j] : 0) * nvec + v0;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (k0 + j < n && v0 + u * 32 < end) p[j][u] = in[base + u * 32];
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      if (k0 + j >= n) break;
-      const float wk = w[k0 + j];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (weighted) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u][i] = fmaf(wk, pack_float(p[j][u], i), acc[u][i]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u][i] += pack_float(p[j][u], i);
-        }
-      }
-    }
-  }
-}
-
 /// y rows spread_row loads before it stores: up to 4 where K <= 16 (the callers may take all 8 where
 /// K <= 8: spread_y_rows_k8), 2 where K > 16 (whose KMAX dot products leave no registers for 4).
 template <int KMAX>
