@@ -10,10 +10,15 @@ issues before one of their registers is read or a branch intervenes; it fails wh
 smaller than the rule's minimum. A group ends at any branch, even a forward one around a guarded load,
 so the rules name kernels whose hot loop has no branch between its loads.
 
+A rule may also bound the kernel's spill stores (STL). A second code path added to the overlapped
+combine kernel once raised them from 4 to 87 at the same register cap, with the loads still grouped,
+and the combine took 1.25x as long; a kernel of its own for the new path left the old one as it was.
+
 usage: check_sass_loads.py [--cuobjdump PATH] OBJECT_OR_DIRECTORY... -- RULE...
   (a directory is searched for the objects the rules name)
-  RULE  OBJECT_BASENAME:KERNEL_NAME_PART[,PART...]:MIN  (every matching kernel of that object must reach
-        MIN; a rule that matches no kernel fails, so a renamed kernel does not pass by accident)
+  RULE  OBJECT_BASENAME:KERNEL_NAME_PART[,PART...]:MIN[:MAX_STL]  (every matching kernel of that object
+        must reach MIN and hold at most MAX_STL local stores; a rule that matches no kernel fails, so a
+        renamed kernel does not pass by accident)
 Exit status: 0 all rules hold, 1 a rule fails, 77 no cuobjdump or nvdisasm (skipped, with the reason).
 """
 import importlib.util
@@ -110,10 +115,13 @@ def main(argv):
     failed = 0
     for rule in rules:
         try:
-            base, parts, minimum = rule.split(":")
-            parts, minimum = parts.split(","), int(minimum)
+            fields = rule.split(":")
+            if len(fields) not in (3, 4):
+                raise ValueError(rule)
+            base, parts, minimum = fields[0], fields[1].split(","), int(fields[2])
+            max_stl = int(fields[3]) if len(fields) == 4 else None
         except ValueError:
-            print(f"FAIL {rule}: not OBJECT_BASENAME:KERNEL_NAME_PART[,PART...]:MIN")
+            print(f"FAIL {rule}: not OBJECT_BASENAME:KERNEL_NAME_PART[,PART...]:MIN[:MAX_STL]")
             failed += 1
             continue
         obj = by_base.get(base)
@@ -132,9 +140,12 @@ def main(argv):
         for name, ins in matched:
             groups = load_groups(ins)
             best = max(groups, default=0)
-            ok = best >= minimum
+            spills = sum(1 for t in ins if re.match(r"(@!?U?P\w+\s+)?STL\b", t))
+            ok = best >= minimum and (max_stl is None or spills <= max_stl)
             failed += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {base} {name[:110]}: largest load group {best} (needs {minimum}); groups {groups[:12]}")
+            bound = "" if max_stl is None else f"; {spills} spill stores (at most {max_stl})"
+            print(f"{'ok  ' if ok else 'FAIL'} {base} {name[:110]}: largest load group {best} (needs {minimum}){bound}; "
+                  f"groups {groups[:12]}")
     return 1 if failed else 0
 
 
