@@ -30,6 +30,7 @@
 
 #include "comm/ep_device.cuh"
 #include "comm/ep_timeline.cuh"
+#include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
 
 namespace epx::comm::ep_device {
@@ -134,6 +135,13 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   }
 }
 
+// EPX_COMBINE_ITEMS=claim|stride (read once): how every combine's reduce warps take their items;
+// unset, the caller's default.
+bool combine_items_claimed(bool default_claim) {
+  static const int env = ::epx::detail::env_choice("EPX_COMBINE_ITEMS", {"stride", "claim"});
+  return env < 0 ? default_claim : env == 1;
+}
+
 template <class T, int N, int W>
 bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
@@ -160,8 +168,7 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   // Partial items claimed one by one under an SM budget, by a fixed stride without one
   // (EPX_COMBINE_ITEMS=claim|stride for both). 2 x H200, T=4096, H=7168: at 32 SMs claiming took 486
   // against 524 us by stride (~11 items a warp); with every SM (~3 items a warp) 266 against 254.
-  static const char* items_env = std::getenv("EPX_COMBINE_ITEMS");
-  const bool claim = items_env != nullptr ? std::strcmp(items_env, "claim") == 0 : a.g.sm_budget > 0;
+  const bool claim = combine_items_claimed(a.g.sm_budget > 0);
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
   ra.claim_items = claim;

@@ -26,6 +26,7 @@
 
 #include "comm/ep_device.cuh"
 #include "comm/ep_timeline.cuh"
+#include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
 
 namespace epx::comm::ep_device {
@@ -308,16 +309,9 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
 
 }  // namespace
 
-int overlap_knob(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  const int n = v ? std::atoi(v) : 0;
-  return n > 0 ? n : dflt;
-}
+int overlap_knob(const char* name, int dflt) { return ::epx::detail::env_positive_int(name, dflt); }
 
-bool env_asks_phased(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, "phased") == 0;
-}
+bool env_asks_phased(const char* name) { return ::epx::detail::env_choice(name, {"overlapped", "phased"}) == 1; }
 
 bool overlapped_dispatch_enabled() {
   static const bool on = !env_asks_phased("EPX_DISPATCH_KERNEL");
@@ -363,10 +357,7 @@ bool ep_timeline_read_dispatch(EpTimeline& out) {
 namespace epx::comm::ep_device {
 
 bool inline_barrier_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EPX_EP_BARRIER");
-    return v == nullptr || std::strcmp(v, "launch") != 0;
-  }();
+  static const bool on = ::epx::detail::env_choice("EPX_EP_BARRIER", {"inline", "launch"}) != 1;
   return on;
 }
 

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/layout/layout_kernels.cuh"
 
@@ -84,9 +85,8 @@ std::atomic<int> g_kernel{-1};  // -1: not resolved yet, else a LayoutKernel
 LayoutKernel resolve_kernel() {
   int k = g_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
-    const char* v = std::getenv("EPX_LAYOUT_KERNEL");
-    int want = static_cast<int>(LayoutKernel::kFused);
-    if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(LayoutKernel::kLegacy);
+    const int i = ::epx::detail::env_choice("EPX_LAYOUT_KERNEL", {"fused", "legacy"});
+    int want = static_cast<int>(i == 1 ? LayoutKernel::kLegacy : LayoutKernel::kFused);
     int expected = -1;
     g_kernel.compare_exchange_strong(expected, want);
     k = g_kernel.load(std::memory_order_relaxed);

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/row_reduce_tuning.h"
 #include "cuda/permute/permute_bulk.cuh"
@@ -56,15 +57,12 @@ bool debug_enabled() {
   return on;
 }
 
-// EPX_PERMUTE_KERNEL, read once; an unknown value is reported once and ignored.
+// EPX_PERMUTE_KERNEL, read once (an unknown value is an error).
 PermuteKernel env_kernel() {
   static const PermuteKernel k = [] {
-    const char* v = std::getenv("EPX_PERMUTE_KERNEL");
-    if (!v || !*v || !std::strcmp(v, "auto")) return PermuteKernel::kAuto;
-    if (!std::strcmp(v, "warp")) return PermuteKernel::kWarp;
-    if (!std::strcmp(v, "bulk")) return PermuteKernel::kBulk;
-    std::fprintf(stderr, "[epx] EPX_PERMUTE_KERNEL=%s ignored: expected warp, bulk or auto\n", v);
-    return PermuteKernel::kAuto;
+    const PermuteKernel kinds[] = {PermuteKernel::kAuto, PermuteKernel::kWarp, PermuteKernel::kBulk};
+    const int i = ::epx::detail::env_choice("EPX_PERMUTE_KERNEL", {"auto", "warp", "bulk"});
+    return i < 0 ? PermuteKernel::kAuto : kinds[i];
   }();
   return k;
 }
@@ -252,17 +250,14 @@ namespace {
 /// scales: 86.9-87.3 us pipelined with one stage, 91.4 us with two, 95.8-95.9 us batched.
 constexpr QuantizeSchedule kDefaultQuantizeSchedule = QuantizeSchedule::kPipelinedOneStage;
 
-// EPX_QUANT_PERMUTE_SCHEDULE, read once; an unknown value is reported once and ignored.
+// EPX_QUANT_PERMUTE_SCHEDULE, read once (an unknown value is an error).
 QuantizeSchedule env_quantize_schedule() {
   static const QuantizeSchedule l = [] {
-    const char* v = std::getenv("EPX_QUANT_PERMUTE_SCHEDULE");
-    if (!v || !*v || !std::strcmp(v, "auto")) return QuantizeSchedule::kAuto;
-    for (QuantizeSchedule c :
-         {QuantizeSchedule::kBatched, QuantizeSchedule::kPipelined, QuantizeSchedule::kPipelinedOneStage})
-      if (!std::strcmp(v, quantize_schedule_name(c))) return c;
-    std::fprintf(stderr, "[epx] EPX_QUANT_PERMUTE_SCHEDULE=%s ignored: expected batched, pipelined or "
-                 "pipelined_one_stage\n", v);
-    return QuantizeSchedule::kAuto;
+    const QuantizeSchedule kinds[] = {QuantizeSchedule::kAuto, QuantizeSchedule::kBatched,
+                                      QuantizeSchedule::kPipelined, QuantizeSchedule::kPipelinedOneStage};
+    const int i = ::epx::detail::env_choice("EPX_QUANT_PERMUTE_SCHEDULE",
+                                            {"auto", "batched", "pipelined", "pipelined_one_stage"});
+    return i < 0 ? QuantizeSchedule::kAuto : kinds[i];
   }();
   return l;
 }

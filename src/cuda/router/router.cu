@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_kernels.cuh"
@@ -142,13 +143,10 @@ constexpr int64_t kAutoLeanMinTokens = 8192;
 RouterKernel resolve_router_kernel() {
   int k = g_router_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
-    const char* v = std::getenv("EPX_ROUTER_KERNEL");
-    int want = static_cast<int>(RouterKernel::kAuto);
-    if (v != nullptr && std::strcmp(v, "wide") == 0) want = static_cast<int>(RouterKernel::kWide);
-    if (v != nullptr && std::strcmp(v, "legacy") == 0) want = static_cast<int>(RouterKernel::kLegacy);
-    if (v != nullptr && std::strcmp(v, "fast") == 0) want = static_cast<int>(RouterKernel::kFast);
-    if (v != nullptr && std::strcmp(v, "fast1") == 0) want = static_cast<int>(RouterKernel::kFastOneTokenPerWarp);
-    if (v != nullptr && std::strcmp(v, "lean") == 0) want = static_cast<int>(RouterKernel::kLean);
+    const RouterKernel kinds[] = {RouterKernel::kAuto, RouterKernel::kLean, RouterKernel::kWide,
+                                  RouterKernel::kFast, RouterKernel::kFastOneTokenPerWarp, RouterKernel::kLegacy};
+    const int i = ::epx::detail::env_choice("EPX_ROUTER_KERNEL", {"auto", "lean", "wide", "fast", "fast1", "legacy"});
+    int want = static_cast<int>(i < 0 ? RouterKernel::kAuto : kinds[i]);
     int expected = -1;
     g_router_kernel.compare_exchange_strong(expected, want);
     k = g_router_kernel.load(std::memory_order_relaxed);

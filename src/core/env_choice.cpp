@@ -1,0 +1,37 @@
+#include "core/env_choice.h"
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "epx/error.h"
+
+namespace epx::detail {
+
+int env_choice(const char* name, std::initializer_list<const char*> choices) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return -1;
+  int i = 0;
+  std::string listed;
+  for (const char* c : choices) {
+    if (std::strcmp(v, c) == 0) return i;
+    listed += (i == 0 ? "" : i + 1 == static_cast<int>(choices.size()) ? " or " : ", ") + std::string(c);
+    ++i;
+  }
+  throw Error(Status::kInvalidArgument, concat("epx: ", name, " is \"", v, "\", expected ", listed));
+}
+
+int env_positive_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || errno != 0 || n <= 0 || n > INT_MAX)
+    throw Error(Status::kInvalidArgument, concat("epx: ", name, " is \"", v, "\", expected a positive integer"));
+  return static_cast<int>(n);
+}
+
+}  // namespace epx::detail

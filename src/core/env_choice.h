@@ -1,0 +1,18 @@
+// The kernel-choice environment variables (EPX_ROUTER_KERNEL, EPX_COMBINE_ITEMS, ...): a value the
+// library does not know is a typo that would otherwise run another kernel without a word, so it is an
+// error that names the variable, the value and the choices.
+#pragma once
+
+#include <initializer_list>
+
+namespace epx::detail {
+
+/// The index of the value of environment variable `name` among `choices`, or -1 where it is unset or
+/// empty. Any other value throws Error (kInvalidArgument) naming the variable and every choice.
+int env_choice(const char* name, std::initializer_list<const char*> choices);
+
+/// A positive integer from environment variable `name`, or `fallback` where it is unset or empty.
+/// Anything else (zero, negative, not a whole number) throws Error naming the variable.
+int env_positive_int(const char* name, int fallback);
+
+}  // namespace epx::detail
