@@ -32,6 +32,7 @@
 #include "core/ep_state.h"
 #include "epx/comm.h"
 #include "epx/layout.h"
+#include "tools/launch.h"
 
 using namespace epx;
 using bench::JsonLine;
@@ -63,8 +64,6 @@ double peer_copy_gb_per_s() {
   EPX_CUDA_CHECK(cudaSetDevice(0));
   return bytes / (us * 1e-6) * 1e-9;
 }
-
-bool started_by_launcher() { return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr; }
 
 // Microseconds per op of `op` captured kOps times into one CUDA graph (on this rank's thread) and
 // replayed; every rank captures and replays together. The meetings (`meet`: every rank of the group
@@ -138,7 +137,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
   cfg.max_topk = K;
   cfg.num_sms = sms;
   cfg.align = 1;
-  const bool launched = started_by_launcher();
+  const bool launched = tools::started_by_launcher();
   std::vector<Group> groups;
   if (launched) groups.push_back(Group::create_from_env(cfg));
   else groups = Group::create_all_local(cfg);
@@ -151,7 +150,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     EPX_CUDA_CHECK(cudaSetDevice(dev.index));
     // Every rank arrives: the threads of this process, or, one process per GPU, the group's ranks
     // through a one-element all-reduce that this rank has waited for.
-    Tensor meeting = Tensor::zeros({1}, DType::kF32, dev);
+    Tensor meeting = launched ? Tensor::zeros({1}, DType::kF32, dev) : Tensor();
     auto meet = [&] {
       if (!launched) return bar.wait();
       all_reduce_sum(g, meeting);
@@ -315,7 +314,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const bool launched = started_by_launcher();
+  const bool launched = tools::started_by_launcher();
   const int gpus = detail::cuda_device_count();
   const int ranks = launched ? std::atoi(std::getenv("WORLD_SIZE")) : gpus;
   if (ranks < 2) {
@@ -325,7 +324,7 @@ int main(int argc, char** argv) {
   try {
     // The copy engine's GPU 0 -> 1 rate, where this process sees both (under a launcher: rank 0's
     // process, before it joins the group); 0 (and link fractions of -1) where it cannot be measured.
-    const bool measure = gpus >= 2 && (!launched || std::atoi(std::getenv("RANK")) == 0);
+    const bool measure = gpus >= 2 && tools::launcher_rank() == 0;
     const double link = measure ? peer_copy_gb_per_s() : 0.0;
     if (measure) JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
     for (Transport tr : transports) {

@@ -121,16 +121,10 @@ std::vector<int> zipf_sizes(int G, int total, double s) {
 // to K distinct experts of E drawn uniformly: what the layer's grouped GEMMs see (256 +- 16 rows an
 // expert on 2 ranks at DeepSeek-V3's shapes), unlike a benchmark's equal groups.
 std::vector<int> routed_sizes(int ranks, int tokens, int E, int K, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int> count(E / ranks, 0), perm(E);
-  for (int t = 0; t < ranks * tokens; ++t) {
-    for (int e = 0; e < E; ++e) perm[e] = e;
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> d(k, E - 1);
-      std::swap(perm[k], perm[d(rng)]);
-      if (perm[k] < E / ranks) ++count[perm[k]];
-    }
-  }
+  const Tensor ids = bench::random_expert_ids(ranks * tokens, E, K, seed, Device::cpu());
+  std::vector<int> count(E / ranks, 0);
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    if (const int32_t e = ids.ptr<int32_t>()[i]; e < E / ranks) ++count[e];
   return count;
 }
 

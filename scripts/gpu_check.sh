@@ -68,6 +68,13 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build tests memcheck bench)
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+# bench_ep_ranks N SECONDS LOG ARGS...: bench_ep with one process per GPU on N ranks, as a job launcher
+# starts them (scripts/run_ranks.sh): every rank's output appended to LOG, rank 0's JSON lines on stdout.
+bench_ep_ranks() {
+  local n=$1 secs=$2 log=$3
+  shift 3
+  timeout "$secs" scripts/run_ranks.sh "$n" "$BUILD/bin/bench_ep" "$@" 2>&1 | tee -a "$log" | sed -n 's/^\[rank 0\] {/{/p'
+}
 # torch_layer PRESET OUT_FILE ERR_FILE: the PyTorch layer baseline at a preset's shape, T=4096 a rank,
 # its JSON line appended to OUT_FILE (false where it failed or the preset has no PyTorch shape).
 torch_layer() {
@@ -296,13 +303,12 @@ fi
 if has epbench; then
   [ -f "$OUT/bench.jsonl" ] || : >"$OUT/bench.jsonl"
   # bench_ep SECONDS ARGS...: one process driving every GPU, or with EP_LAUNCH=process one process per
-  # GPU (scripts/run_ranks.sh; rank 0's JSON lines; every rank's output in bench_ep_ranks.log).
+  # GPU (every rank's output in bench_ep_ranks.log).
   bench_ep() {
     local secs=$1
     shift
     if [ "${EP_LAUNCH:-}" = process ]; then
-      timeout "$secs" scripts/run_ranks.sh "$(nvidia-smi -L | wc -l)" "$BUILD/bin/bench_ep" "$@" 2>&1 |
-        tee -a "$OUT/bench_ep_ranks.log" | sed -n 's/^\[rank 0\] {/{/p'
+      bench_ep_ranks "$(nvidia-smi -L | wc -l)" "$secs" "$OUT/bench_ep_ranks.log" "$@"
     else
       timeout "$secs" "$BUILD/bin/bench_ep" "$@"
     fi
@@ -456,9 +462,9 @@ if has scaling; then
     for t in ${SCALING_TOKENS:-4096 128}; do
       # one process per GPU, as a job launcher starts them; rank 0's lines
       log="$OUT/scaling_bench_ep_r${r}_t${t}.log"
-      CUDA_VISIBLE_DEVICES=$vis timeout 300 scripts/run_ranks.sh "$r" "$BUILD/bin/bench_ep" --tokens "$t" \
-        --transport both >"$log" 2>&1 || summary "scaling: bench_ep R=$r T=$t failed rc=$?"
-      sed -n 's/^\[rank 0\] {/{/p' "$log" >>"$OUT/scaling.jsonl"
+      : >"$log"
+      CUDA_VISIBLE_DEVICES=$vis bench_ep_ranks "$r" 300 "$log" --tokens "$t" --transport both >>"$OUT/scaling.jsonl" ||
+        summary "scaling: bench_ep R=$r T=$t failed rc=$?"
       if [ -f .carry/bench/torch_ep_baseline.py ]; then
         CUDA_VISIBLE_DEVICES=$vis PYTHONUNBUFFERED=1 timeout 240 python3 .carry/bench/torch_ep_baseline.py \
           --tokens "$t" --hidden 7168 --experts 256 --modes dc --iters 10 >>"$OUT/scaling.jsonl" \
