@@ -24,6 +24,7 @@
 #include <mutex>
 
 #include "core/device_memory.h"
+#include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/common/stream_temp.h"
@@ -389,18 +390,12 @@ void require_bf16_path(const char* fn, const TensorRef& x, int64_t H, int64_t F)
 
 WgradSchedule wgrad_schedule() {
   static const WgradSchedule chosen = [] {
-    const char* v = std::getenv("EPX_WGRAD_KERNEL");
-    if (v == nullptr || *v == '\0') return WgradSchedule::kAuto;
-    const std::string s(v);
-    if (s == "auto") return WgradSchedule::kAuto;
-    if (s == "nosource") return WgradSchedule::kNoSource;
-    if (s == "pingpong_nosource") return WgradSchedule::kPingpongNoSource;
-    if (s == "pingpong") return WgradSchedule::kPingpong;
-    if (s == "cooperative") return WgradSchedule::kCooperative;
-    if (s == "cluster") return WgradSchedule::kCluster;
-    throw Error(Status::kInvalidArgument,
-                detail::concat("epx: EPX_WGRAD_KERNEL is \"", s,
-                               "\", expected auto, cooperative, pingpong, cluster, nosource or pingpong_nosource"));
+    const WgradSchedule kinds[] = {WgradSchedule::kAuto, WgradSchedule::kCooperative,
+                                   WgradSchedule::kPingpong, WgradSchedule::kCluster,
+                                   WgradSchedule::kNoSource, WgradSchedule::kPingpongNoSource};
+    const int i = detail::env_choice("EPX_WGRAD_KERNEL",
+                                     {"auto", "cooperative", "pingpong", "cluster", "nosource", "pingpong_nosource"});
+    return i < 0 ? WgradSchedule::kAuto : kinds[i];
   }();
   return chosen;
 }

@@ -1,8 +1,6 @@
 // Forward: out [rows, N] bf16 = a [rows, K] . w_g [K, N] (both row-major), and the choice between the
 // forward's and dgrad's schedules.
-#include <cstdlib>
-#include <cstring>
-
+#include "core/env_choice.h"
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
 #include "epx/error.h"
 
@@ -10,8 +8,9 @@ namespace epx::cuda {
 
 ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capacity, int groups, int64_t row_align) {
   const bool aligned = row_align > 0 && row_align % 128 == 0;
-  const char* v = std::getenv("EPX_GEMM_FORWARD_KERNEL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) {
+  const int choice =
+      detail::env_choice("EPX_GEMM_FORWARD_KERNEL", {"auto", "cooperative", "pingpong", "contiguous"});
+  if (choice <= 0) {
     if (contraction <= 2048 && groups > 0 && row_capacity >= 1024 * static_cast<int64_t>(groups))
       return ForwardGemmSchedule::kPingpong;
     // Contiguous where groups average two 128-row blocks of capacity or more: the gains were measured
@@ -21,15 +20,11 @@ ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capac
                ? ForwardGemmSchedule::kContiguous
                : ForwardGemmSchedule::kCooperative;
   }
-  if (std::strcmp(v, "cooperative") == 0) return ForwardGemmSchedule::kCooperative;
-  if (std::strcmp(v, "pingpong") == 0) return ForwardGemmSchedule::kPingpong;
-  if (std::strcmp(v, "contiguous") == 0) {
-    require(aligned, "epx::grouped_gemm_forward", "EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to ",
-            "start at a multiple of 128 rows; row_align is ", row_align, ", expected a multiple of 128");
-    return ForwardGemmSchedule::kContiguous;
-  }
-  throw Error(Status::kInvalidArgument, detail::concat("epx: EPX_GEMM_FORWARD_KERNEL is \"", v,
-                                                       "\", expected auto, cooperative, pingpong or contiguous"));
+  if (choice == 1) return ForwardGemmSchedule::kCooperative;
+  if (choice == 2) return ForwardGemmSchedule::kPingpong;
+  require(aligned, "epx::grouped_gemm_forward", "EPX_GEMM_FORWARD_KERNEL is contiguous, which needs every group to ",
+          "start at a multiple of 128 rows; row_align is ", row_align, ", expected a multiple of 128");
+  return ForwardGemmSchedule::kContiguous;
 }
 
 void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
