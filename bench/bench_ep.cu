@@ -13,11 +13,13 @@
 // the same ops replayed from a CUDA graph. fp8_dispatch_us (and _graph_us): the dispatch of an x
 // already in FP8 with 1x128 scales; fp8_quantizing_dispatch_us: the bf16 x quantized on the way.
 // combine_backward_us: the combine's backward with row weights and their gradient, as the layer runs it.
+// *_host_us: the host's wall time per call of the enqueue alone (no wait), beside the eager times.
 // usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N (default 32; 0 = no budget)]
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -168,6 +170,18 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
       meet();
       return us;
     };
+    // The host's own cost per call: the enqueue loop's wall time with no wait in it. Where it is
+    // close to the eager time, the eager figure is the host's, not the GPU's.
+    auto host_enqueue = [&](const std::function<void(int)>& fn) {
+      constexpr int kCalls = 10;
+      meet();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < kCalls; ++i) fn(i);
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      EPX_CUDA_CHECK(cudaDeviceSynchronize());
+      meet();
+      return us / kCalls;
+    };
     const double t_prep = timed([&](int) { Handle h = prepare(g, idx, w); });
     const double t_pd = timed([&](int) {
       Handle h = prepare(g, idx, w);
@@ -176,6 +190,12 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
     Handle h = prepare(g, idx, w);
     dispatch_forward(g, h, x, w, recv, rw);
     const double t_comb = timed([&](int) { combine_forward(g, h, recv, rw, out); });
+    const double host_prep = host_enqueue([&](int) { Handle hh = prepare(g, idx, w); });
+    const double host_pd = host_enqueue([&](int) {
+      Handle hh = prepare(g, idx, w);
+      dispatch_forward(g, hh, x, w, recv, rw);
+    });
+    const double host_comb = host_enqueue([&](int) { combine_forward(g, h, recv, rw, out); });
     g.check();
     // combine_backward as the layer calls it: d_out to every expert row times its weight, the weights'
     // gradient from y = recv.
@@ -267,6 +287,9 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
         .add("dispatch_us", t_disp)
         .add("combine_us", t_comb)
         .add("combine_backward_us", t_cbwd)
+        .add("prepare_host_us", host_prep)
+        .add("dispatch_host_us", host_pd - host_prep)
+        .add("combine_host_us", host_comb)
         .add("prepare_graph_us", g_prep)
         .add("dispatch_graph_us", g_disp)
         .add("combine_graph_us", g_comb)

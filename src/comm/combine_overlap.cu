@@ -147,10 +147,13 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
-  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums half a block per
-  // SM (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token).
+  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums one block per SM
+  // (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token). One per SM, so that
+  // every SM holds two reduce blocks and one sum block: on 2 x H200 (2 ranks, K=8) 66 / 99 / 132 / 198
+  // sum blocks took 249 / 267 / 242 / 305 us at T=4096, H=7168; 153 / 156 / 146 / 170 us at H=4096,
+  // E=64; 94 / 93 / 84 / 107 us at T=1024; T=128 level.
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
-  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", std::max(1, sms / 2));
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", sms);
   // Under an SM budget (GroupConfig::num_sms): a quarter of it sums (EPX_COMBINE_BUDGET_SUM_PER_MILLE,
   // default 250), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 /
   // 333 / 400 gave 599 / 664 / 682 us; 32-warp blocks instead of 24 (spilling) 664 us at 333 and

@@ -15,8 +15,11 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <chrono>
 #include <functional>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/ep_scenario.h"
@@ -151,6 +154,54 @@ inline void check_all_reduce(Group& g, int64_t n, const std::function<void()>& s
     for (int s = 0; s < R; ++s) want += static_cast<float>(i % 97) + 0.5f * s + 1e-3f * (i % 7);
     ASSERT_EQ(back.ptr<float>()[i], want) << "rank " << g.rank() << " element " << i << " of " << n;
   }
+}
+
+/// Ranks that drift apart: `runs` iterations of the ops (prepare, dispatch, combine, an all-reduce,
+/// combine_backward, dispatch_backward) queued back to back with no meeting in between, the host
+/// pausing for a random 0-300 us (seeded by `seed` and the rank) before each op, so that one rank's
+/// launches start while a peer is still in an earlier op or already in a later one (the opening
+/// barriers, arrival counters and their resets then meet ranks out of step). Every op kind follows
+/// an overlapped launch once per iteration. Each iteration's outputs equal `want`, and each
+/// all-reduce its sum.
+inline void check_drifting_op_sequences(Group& g, const EpCase& c, const EpOutputs& want, int runs, unsigned seed,
+                                        const std::function<void()>& sync) {
+  const int R = g.size();
+  constexpr int64_t kReduceElems = 1000;
+  std::vector<EpRun> eps;
+  std::vector<Tensor> sums;
+  eps.reserve(runs);
+  for (int i = 0; i < runs; ++i) {
+    eps.emplace_back(g, c);
+    sums.push_back(Tensor::full({kReduceElems}, DType::kF32, (g.rank() + 1.0) * (i + 1)).to(g.device()));
+  }
+  std::mt19937 rng(seed * 7919u + static_cast<unsigned>(g.rank()));
+  auto pause = [&] { std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300)); };
+  sync();
+  for (int i = 0; i < runs; ++i) {
+    pause();
+    eps[i].prepare(g);
+    pause();
+    eps[i].dispatch(g);
+    pause();
+    eps[i].combine(g);
+    pause();
+    all_reduce_sum(g, sums[i]);
+    pause();
+    eps[i].combine_bwd(g);
+    pause();
+    eps[i].dispatch_bwd(g);
+  }
+  g.check();
+  sync();
+  for (int i = 0; i < runs; ++i) {
+    SCOPED_TRACE(detail::concat("iteration ", i, " of ", runs, " (seed ", seed, ")"));
+    expect_same_ep_outputs(eps[i].outputs(), want, g.rank());
+    const Tensor back = sums[i].to(Device::cpu());
+    const float expected = static_cast<float>(R * (R + 1) / 2 * (i + 1));
+    for (int64_t k = 0; k < kReduceElems; ++k)
+      ASSERT_EQ(back.ptr<float>()[k], expected) << "rank " << g.rank() << " all-reduce element " << k;
+  }
+  sync();
 }
 
 }  // namespace epx::testing

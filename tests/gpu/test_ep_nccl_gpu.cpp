@@ -262,6 +262,23 @@ TEST_P(EpNcclGpu, InterleavedMicrobatchesMatchReference) {
   run_ranks(groups, [&](Group& g) { testing::check_interleaved_microbatches(g, mbs, want, [&] { bar.wait(); }); });
 }
 
+// Ranks drifting apart over six iterations of every op with random host pauses and no meeting in
+// between (testing::check_drifting_op_sequences): every iteration equals the reference.
+TEST_P(EpNcclGpu, DriftingRanksMatchReferenceEveryIteration) {
+  EPX_REQUIRE_GPUS(2);
+  EpCase c = base_case();
+  c.max_tokens = 96;
+  c.K = 4;
+  c.H = 256;
+  c.zipf = 2;
+  auto groups = make(c);
+  const std::vector<EpOutputs> want = testing::ep_reference(c);
+  detail::HostBarrier bar(c.ranks);
+  run_ranks(groups, [&](Group& g) {
+    testing::check_drifting_op_sequences(g, c, want[g.rank()], 6, 1, [&] { bar.wait(); });
+  });
+}
+
 // Communication buffers are allocated once at creation, sized rank-major from the config:
 // zero-copy one window (layout + inboxes), staged a send and a receive buffer (header, meta and
 // rows regions each).

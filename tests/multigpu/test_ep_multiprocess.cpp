@@ -172,6 +172,18 @@ TEST_P(EpMultiProcess, InterleavedMicrobatchesMatchReference) {
   testing::check_interleaved_microbatches(group(mbs[0]), mbs, want, no_sync);
 }
 
+// One process per GPU, so the ranks' hosts drift apart on their own as well as by the random pauses.
+TEST_P(EpMultiProcess, DriftingRanksMatchReferenceEveryIteration) {
+  EPX_REQUIRE_LAUNCHER();
+  EpCase c = base();
+  c.max_tokens = 96;
+  c.K = 4;
+  c.H = 256;
+  c.zipf = 2;
+  const auto want = testing::ep_reference(c);
+  testing::check_drifting_op_sequences(group(c), c, want[group(c).rank()], 8, 2, no_sync);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, EpMultiProcess, ::testing::ValuesIn(transports_under_test()),
                          transport_param_name);
 
