@@ -76,6 +76,26 @@ TEST(EpProcedures, InterleavedMicrobatchesOnHostBackend) {
   }
 }
 
+// The drift procedure (random host pauses, no meeting between ops) on 2 and 3 simulated ranks.
+TEST(EpProcedures, DriftingRanksOnHostBackend) {
+  for (int R : {2, 3}) {
+    SCOPED_TRACE(detail::concat("R=", R));
+    EpCase c;
+    c.ranks = R;
+    c.E = 8 * R;
+    c.max_tokens = 96;
+    c.K = 4;
+    c.H = 64;
+    c.zipf = 2;
+    const std::vector<EpOutputs> want = testing::ep_reference(c);
+    std::vector<Group> groups = Group::create_simulated(R, c.group_config());
+    detail::HostBarrier bar(R);
+    run_ranks(groups, [&](Group& g) {
+      testing::check_drifting_op_sequences(g, c, want[g.rank()], 3, 3, [&] { bar.wait(); });
+    });
+  }
+}
+
 TEST(EpProcedures, AllReduceOnHostBackend) {
   EpCase c;
   c.ranks = 3;
