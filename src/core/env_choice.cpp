@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -32,6 +33,18 @@ int env_positive_int(const char* name, int fallback) {
   if (end == v || *end != '\0' || errno != 0 || n <= 0 || n > INT_MAX)
     throw Error(Status::kInvalidArgument, concat("epx: ", name, " is \"", v, "\", expected a positive integer"));
   return static_cast<int>(n);
+}
+
+double env_positive_number(const char* name, double fallback, double max) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const double x = std::strtod(v, &end);
+  if (end == v || *end != '\0' || errno != 0 || !std::isfinite(x) || x <= 0 || x > max)
+    throw Error(Status::kInvalidArgument,
+                concat("epx: ", name, " is \"", v, "\", expected a positive number up to ", max));
+  return x;
 }
 
 }  // namespace epx::detail

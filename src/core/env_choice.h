@@ -1,6 +1,7 @@
-// The kernel-choice environment variables (EPX_ROUTER_KERNEL, EPX_COMBINE_ITEMS, ...): a value the
-// library does not know is a typo that would otherwise run another kernel without a word, so it is an
-// error that names the variable, the value and the choices.
+// The kernel-choice and tuning environment variables (EPX_ROUTER_KERNEL, EPX_COMBINE_ITEMS,
+// EPX_TIMEOUT_S, ...): a value the library does not know is a typo that would otherwise run another
+// kernel or wait another time without a word, so it is an error that names the variable, the value
+// and what was expected.
 #pragma once
 
 #include <initializer_list>
@@ -14,5 +15,9 @@ int env_choice(const char* name, std::initializer_list<const char*> choices);
 /// A positive integer from environment variable `name`, or `fallback` where it is unset or empty.
 /// Anything else (zero, negative, not a whole number) throws Error naming the variable.
 int env_positive_int(const char* name, int fallback);
+
+/// A positive finite number up to `max` from environment variable `name` (e.g. "2.5", "1e-3"), or
+/// `fallback` where it is unset or empty. Anything else throws Error naming the variable.
+double env_positive_number(const char* name, double fallback, double max);
 
 }  // namespace epx::detail

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/device_memory.h"
+#include "core/env_choice.h"
 #include "epx/error.h"
 
 namespace epx {
@@ -41,7 +42,9 @@ void GroupConfig::validate(const char* fn, int num_ranks) const {
           ", expected a payload dtype (fp32, bf16, fp16, fp8; fp64 on the reference backend)");
   require(recv_capacity_rows >= 0, fn, "config.recv_capacity_rows is ", recv_capacity_rows, ", expected >= 0");
   require(num_sms >= 0, fn, "config.num_sms is ", num_sms, ", expected >= 0 (0 = auto)");
-  require(timeout_s >= 0, fn, "config.timeout_s is ", timeout_s, ", expected >= 0 (0 = default)");
+  require(timeout_s >= 0 && timeout_s <= kMaxTimeoutS, fn, "config.timeout_s is ", timeout_s,
+          ", expected 0 (EPX_TIMEOUT_S or 10 s) .. ", kMaxTimeoutS, " seconds");
+  resolved_timeout_s(*this);  // a bad EPX_TIMEOUT_S fails here, before any collective call
 }
 
 int64_t worst_case_recv_rows(const GroupConfig& c, int num_ranks) {
@@ -62,11 +65,7 @@ std::string recv_overflow_message(int rank, int64_t needed, int64_t capacity, in
 
 double resolved_timeout_s(const GroupConfig& c) {
   if (c.timeout_s > 0) return c.timeout_s;
-  if (const char* env = std::getenv("EPX_TIMEOUT_S")) {
-    const double v = std::atof(env);
-    if (v > 0) return v;
-  }
-  return 10.0;
+  return detail::env_positive_number("EPX_TIMEOUT_S", 10.0, kMaxTimeoutS);
 }
 
 bool resolved_staged_exact_sizes(const GroupConfig& c, const char* fn) {

@@ -117,7 +117,12 @@ int64_t worst_case_recv_rows(const GroupConfig& config, int num_ranks);
 /// `capacity` rows (a handle's, at most the group's `group_capacity`); nothing was written.
 std::string recv_overflow_message(int rank, int64_t needed, int64_t capacity, int64_t group_capacity);
 
-/// The wait timeout in seconds: config.timeout_s, else EPX_TIMEOUT_S, else 10 s.
+/// The longest wait timeout a group takes, in seconds (a day; in nanoseconds it still fits the
+/// device's 64-bit clock arithmetic with room to spare).
+constexpr double kMaxTimeoutS = 86400.0;
+
+/// The wait timeout in seconds: config.timeout_s, else EPX_TIMEOUT_S, else 10 s. A value of
+/// EPX_TIMEOUT_S that is not a number in (0, kMaxTimeoutS] is an error naming the variable.
 double resolved_timeout_s(const GroupConfig& config);
 /// GroupConfig::staged_exact_sizes, or EPX_STAGED_SIZES (exact / fixed; other values are errors
 /// naming the variable) when the config leaves it off.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "core/env_choice.h"
 #include "core/scoped_env.h"
@@ -63,6 +64,28 @@ TEST(EnvChoice, PositiveIntegersOrTheFallback) {
       const std::string w = e.what();
       EXPECT_NE(w.find("EPX_TEST_KNOB"), std::string::npos) << w;
       EXPECT_NE(w.find("expected a positive integer"), std::string::npos) << w;
+    }
+  }
+}
+
+TEST(EnvChoice, PositiveNumbersUpToTheBoundOrTheFallback) {
+  {
+    const ScopedEnv v("EPX_TEST_KNOB", "");
+    EXPECT_EQ(detail::env_positive_number("EPX_TEST_KNOB", 10.0, 100.0), 10.0);
+  }
+  for (const auto& [text, value] : {std::pair<const char*, double>{"2.5", 2.5}, {"1e-3", 1e-3}, {"100", 100.0}}) {
+    const ScopedEnv v("EPX_TEST_KNOB", text);
+    EXPECT_EQ(detail::env_positive_number("EPX_TEST_KNOB", 10.0, 100.0), value) << text;
+  }
+  for (const char* bad : {"0", "-1", "100.5", "3 ", "x", "inf", "nan", "1e999"}) {
+    const ScopedEnv v("EPX_TEST_KNOB", bad);
+    try {
+      detail::env_positive_number("EPX_TEST_KNOB", 10.0, 100.0);
+      ADD_FAILURE() << "\"" << bad << "\" was accepted";
+    } catch (const Error& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("EPX_TEST_KNOB"), std::string::npos) << w;
+      EXPECT_NE(w.find("expected a positive number up to 100"), std::string::npos) << w;
     }
   }
 }

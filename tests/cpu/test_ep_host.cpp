@@ -14,6 +14,7 @@
 
 #include "common/ep_oracle.h"
 #include "core/ep_state.h"
+#include "core/scoped_env.h"
 #include "epx/comm.h"
 #include "epx/error.h"
 #include "epx/layout.h"
@@ -445,6 +446,34 @@ TEST(EpHostErrors, GroupConfig) {
   c = small_config();
   c.max_dtype = DType::kI32;
   EXPECT_TRUE(has(error_of([&] { Group::create_simulated(1, c); }), "config.max_dtype is int32"));
+  for (double bad : {-1.0, 1e6, HUGE_VAL, std::nan("")}) {
+    c = small_config();
+    c.timeout_s = bad;
+    EXPECT_TRUE(has(error_of([&] { Group::create_simulated(2, c); }), "config.timeout_s is ")) << bad;
+  }
+}
+
+// EPX_TIMEOUT_S (read where config.timeout_s is 0): a number of seconds in (0, 86400], else an error
+// at group creation naming the variable; a timeout in the config wins over it.
+TEST(EpHostErrors, TimeoutFromTheEnvironment) {
+  GroupConfig c = small_config();
+  c.timeout_s = 0;
+  {
+    const detail::ScopedEnv v("EPX_TIMEOUT_S", "2.5");
+    EXPECT_EQ(resolved_timeout_s(c), 2.5);
+    c.timeout_s = 7;
+    EXPECT_EQ(resolved_timeout_s(c), 7.0);
+    c.timeout_s = 0;
+  }
+  {
+    const detail::ScopedEnv v("EPX_TIMEOUT_S", nullptr);
+    EXPECT_EQ(resolved_timeout_s(c), 10.0);
+  }
+  for (const char* bad : {"abc", "0", "-2", "5s", "inf", "nan", "1e300"}) {
+    const detail::ScopedEnv v("EPX_TIMEOUT_S", bad);
+    const std::string e = error_of([&] { Group::create_simulated(2, c); });
+    EXPECT_TRUE(has(e, std::string("EPX_TIMEOUT_S is \"") + bad + "\", expected a positive number")) << e;
+  }
 }
 
 TEST(EpHostErrors, IdsOutOfRangeAndRepeated) {
