@@ -115,6 +115,31 @@ inline void check_interleaved_microbatches(Group& g, const std::vector<EpCase>& 
   sync();
 }
 
+/// The graph-replay procedure's case: skewed routing over short rows, top-8.
+inline EpCase graph_replay_case(int ranks) {
+  EpCase c;
+  c.ranks = ranks;
+  c.E = 8 * ranks;
+  c.max_tokens = 256;
+  c.K = 8;
+  c.H = 128;
+  c.align = 16;
+  c.zipf = 2;
+  return c;
+}
+
+/// The drift procedure's case (check_drifting_op_sequences): skewed routing, top-4, small batches.
+inline EpCase drift_case(int ranks) {
+  EpCase c;
+  c.ranks = ranks;
+  c.E = 8 * ranks;
+  c.max_tokens = 96;
+  c.K = 4;
+  c.H = 256;
+  c.zipf = 2;
+  return c;
+}
+
 /// Three microbatch cases sharing one group configuration (E, K, H, max_tokens, align) with
 /// different routings, token counts and payload dtypes.
 inline std::vector<EpCase> microbatch_cases(int ranks) {

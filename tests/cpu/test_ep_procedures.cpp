@@ -80,13 +80,7 @@ TEST(EpProcedures, InterleavedMicrobatchesOnHostBackend) {
 TEST(EpProcedures, DriftingRanksOnHostBackend) {
   for (int R : {2, 3}) {
     SCOPED_TRACE(detail::concat("R=", R));
-    EpCase c;
-    c.ranks = R;
-    c.E = 8 * R;
-    c.max_tokens = 96;
-    c.K = 4;
-    c.H = 64;
-    c.zipf = 2;
+    const EpCase c = testing::drift_case(R);
     const std::vector<EpOutputs> want = testing::ep_reference(c);
     std::vector<Group> groups = Group::create_simulated(R, c.group_config());
     detail::HostBarrier bar(R);

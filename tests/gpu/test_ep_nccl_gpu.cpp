@@ -236,12 +236,7 @@ TEST_P(EpNcclGpu, AllReduceSumsInRankOrder) {
 // every rank's own stream, replayed 10 times: bit-identical to the eager run each time.
 TEST_P(EpNcclGpu, GraphReplayIsBitIdenticalToEager) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c = base_case();
-  c.max_tokens = 256;
-  c.K = 8;
-  c.H = 128;
-  c.align = 16;
-  c.zipf = 2;
+  const EpCase c = testing::graph_replay_case(gpus());
   auto groups = make(c);
   if (groups[0].config().staged_exact_sizes)  // its prepare syncs to read the counts (refused under capture)
     GTEST_SKIP() << "exact staged sizes (EPX_STAGED_SIZES=exact): prepare cannot be captured, by design";
@@ -266,11 +261,7 @@ TEST_P(EpNcclGpu, InterleavedMicrobatchesMatchReference) {
 // between (testing::check_drifting_op_sequences): every iteration equals the reference.
 TEST_P(EpNcclGpu, DriftingRanksMatchReferenceEveryIteration) {
   EPX_REQUIRE_GPUS(2);
-  EpCase c = base_case();
-  c.max_tokens = 96;
-  c.K = 4;
-  c.H = 256;
-  c.zipf = 2;
+  const EpCase c = testing::drift_case(gpus());
   auto groups = make(c);
   const std::vector<EpOutputs> want = testing::ep_reference(c);
   detail::HostBarrier bar(c.ranks);

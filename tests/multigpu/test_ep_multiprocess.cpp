@@ -151,12 +151,7 @@ TEST_P(EpMultiProcess, AllReduceSumsInRankOrder) {
 // Forward and backward ops (prepare included) captured in a CUDA graph, replayed 10 times.
 TEST_P(EpMultiProcess, GraphReplayIsBitIdenticalToEager) {
   EPX_REQUIRE_LAUNCHER();
-  EpCase c = base();
-  c.max_tokens = 256;
-  c.K = 8;
-  c.H = 128;
-  c.align = 16;
-  c.zipf = 2;
+  const EpCase c = testing::graph_replay_case(world_size());
   Group& g = group(c);
   if (g.config().staged_exact_sizes)  // its prepare syncs to read the counts (refused under capture)
     GTEST_SKIP() << "exact staged sizes (EPX_STAGED_SIZES=exact): prepare cannot be captured, by design";
@@ -175,11 +170,7 @@ TEST_P(EpMultiProcess, InterleavedMicrobatchesMatchReference) {
 // One process per GPU, so the ranks' hosts drift apart on their own as well as by the random pauses.
 TEST_P(EpMultiProcess, DriftingRanksMatchReferenceEveryIteration) {
   EPX_REQUIRE_LAUNCHER();
-  EpCase c = base();
-  c.max_tokens = 96;
-  c.K = 4;
-  c.H = 256;
-  c.zipf = 2;
+  const EpCase c = testing::drift_case(world_size());
   const auto want = testing::ep_reference(c);
   testing::check_drifting_op_sequences(group(c), c, want[group(c).rank()], 8, 2, no_sync);
 }
