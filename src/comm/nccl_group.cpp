@@ -20,7 +20,9 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -631,10 +633,20 @@ std::unique_ptr<GroupState> single_rank_state(ncclComm_t c, bool owns_comm, int 
 }
 
 
-// Reads an environment variable as an int, trying each name in order.
-int env_int(std::initializer_list<const char*> names, int fallback) {
-  for (const char* n : names)
-    if (const char* v = std::getenv(n)) return std::atoi(v);
+// The first of `names` that is set (and not empty) as a whole number, or `fallback` where none is.
+// A value that is not one is an error naming the variable: read as 0 it would make this process
+// another rank 0.
+int env_int(const char* fn, std::initializer_list<const char*> names, int fallback) {
+  for (const char* n : names) {
+    const char* v = std::getenv(n);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    const long x = std::strtol(v, &end, 10);
+    require(end != v && *end == '\0' && errno == 0 && x >= INT_MIN && x <= INT_MAX, fn, n, " is \"", v,
+            "\", expected a whole number");
+    return static_cast<int>(x);
+  }
   return fallback;
 }
 
@@ -722,9 +734,10 @@ Group Group::create_from_env(const GroupConfig& config) {
   static std::atomic<int> groups_from_env{0};
   const int serial = groups_from_env.fetch_add(1);
   const Transport requested = requested_transport(config, fn);
-  const int rank = comm::env_int({"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"}, -1);
-  const int world = comm::env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE"}, -1);
-  const int local = comm::env_int({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}, 0);
+  const int rank = comm::env_int(fn, {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"}, -1);
+  const int world = comm::env_int(fn, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE"}, -1);
+  const int local =
+      comm::env_int(fn, {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}, 0);
   require(rank >= 0 && world >= 1 && rank < world, fn, "RANK is ", rank, " and WORLD_SIZE is ", world,
           ", expected 0 <= RANK < WORLD_SIZE (set them, or OMPI_COMM_WORLD_* / SLURM_* equivalents)");
   config.validate(fn, world);

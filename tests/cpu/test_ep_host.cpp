@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/ep_oracle.h"
@@ -450,6 +451,27 @@ TEST(EpHostErrors, GroupConfig) {
     c = small_config();
     c.timeout_s = bad;
     EXPECT_TRUE(has(error_of([&] { Group::create_simulated(2, c); }), "config.timeout_s is ")) << bad;
+  }
+}
+
+// The launcher's variables: one that is set but not a whole number is an error naming it (read as
+// 0 it would make this process a second rank 0). Checked before any device or NCCL call, so it
+// runs without a GPU; a build without the CUDA backend has no create_from_env (skipped).
+TEST(EpHostErrors, LauncherVariablesMustBeWholeNumbers) {
+  const GroupConfig c = small_config();
+  for (const auto& [rank, world, named] :
+       {std::tuple<const char*, const char*, const char*>{"abc", "2", "RANK is \"abc\""}, {"1x", "2", "RANK is \"1x\""},
+        {"1", "2.0", "WORLD_SIZE is \"2.0\""}, {"1", "99999999999", "WORLD_SIZE is \"99999999999\""}}) {
+    const detail::ScopedEnv r("RANK", rank), w("WORLD_SIZE", world);
+    try {
+      Group::create_from_env(c);
+      ADD_FAILURE() << "RANK=" << rank << " WORLD_SIZE=" << world << " was accepted";
+    } catch (const Error& e) {
+      if (e.status() == Status::kNotSupported) GTEST_SKIP() << e.what();
+      EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
+      EXPECT_TRUE(has(e.what(), named)) << e.what();
+      EXPECT_TRUE(has(e.what(), "expected a whole number")) << e.what();
+    }
   }
 }
 
