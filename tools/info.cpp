@@ -1,11 +1,16 @@
-// `epx info`: what this build is and what it can see (devices, CUDA and NCCL versions, flags).
+// `epx info`: what this build is and what it can see (devices, CUDA and NCCL versions, flags), and
+// the bytes an EP group of a preset's shape registers per rank on either transport.
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "core/device_memory.h"
 #include "core/version.h"
+#include "epx/comm.h"
+#include "epx/presets.h"
+#include "tools/args.h"
 #include "tools/commands.h"
+#include "tools/layer_run.h"
 
 namespace epx::tools {
 
@@ -19,12 +24,29 @@ int print_help(FILE* out) {
                "         (epx demo --help for options)\n"
                "  bench  epx bench layer: the MoE layer's forward and forward+backward time on every\n"
                "         local GPU beside its tensor-core floor, JSON lines\n"
-               "  info   build flags, devices, CUDA and NCCL versions\n"
+               "  info   build flags, devices, CUDA and NCCL versions, and the EP buffers a group\n"
+               "         registers per rank (--preset deepseek-v3|mixtral|..., --ranks R, --tokens T,\n"
+               "         --dtype bf16|fp8; default: deepseek-v3 on 2 ranks)\n"
                "  help   this text\n");
   return 0;
 }
 
-int run_info(const std::vector<std::string>&) {
+int run_info(const std::vector<std::string>& args) {
+  const Args a("epx info", args, {"preset", "ranks", "tokens", "dtype"});
+  const ShapePreset& p = find_preset(a.str("preset", "deepseek-v3"));
+  const long long ranks = a.integer("ranks", 2), tokens = a.integer("tokens", p.tokens);
+  require(ranks >= 1 && ranks <= 1024, "epx info", "--ranks is ", ranks, ", expected 1..1024");
+  require(tokens >= 1 && tokens <= (1 << 30), "epx info", "--tokens is ", tokens, ", expected 1..2^30");
+  const std::string dt = a.str("dtype", "bf16");
+  require(dt == "bf16" || dt == "fp8", "epx info", "--dtype is ", dt, ", expected bf16 or fp8 (the rows' dtype)");
+  const DType rows = dt == "fp8" ? DType::kF8E4M3 : DType::kBF16;
+  // The layer's group for this shape (what `epx bench layer` and `epx demo` create).
+  GroupConfig gc = layer_group_config(moe_config(p, DType::kBF16), tokens);
+  gc.max_dtype = rows;
+  const int R = static_cast<int>(ranks);
+  const size_t zero_copy = registered_bytes_per_rank(gc, R, Transport::kZeroCopy);
+  const size_t staged = registered_bytes_per_rank(gc, R, Transport::kStaged);
+
   const BuildInfo b = build_info();
   std::printf("epx %s\n", b.version.c_str());
   std::printf("  build: %s, CUDA backend %s\n", b.build_type.c_str(), b.cuda_backend ? "on" : "off");
@@ -36,8 +58,14 @@ int run_info(const std::vector<std::string>&) {
   }
   std::printf("  devices: %zu\n", b.devices.size());
   for (const auto& d : b.devices) std::printf("    %s\n", d.c_str());
-  std::printf("{\"version\":\"%s\",\"cuda_backend\":%s,\"devices\":%zu}\n", b.version.c_str(),
-              b.cuda_backend ? "true" : "false", b.devices.size());
+  std::printf("  EP buffers one rank registers, %s shape (%lld tokens a rank, hidden %lld, %d experts, top-%d, %s rows)"
+              " on %d ranks: zero-copy window %zu bytes (%.3f GB), staged send + receive buffers %zu bytes (%.3f GB)\n",
+              p.name.c_str(), tokens, static_cast<long long>(p.hidden), p.experts, p.topk, dt.c_str(), R, zero_copy,
+              zero_copy * 1e-9, staged, staged * 1e-9);
+  std::printf("{\"version\":\"%s\",\"cuda_backend\":%s,\"devices\":%zu,\"ep_preset\":\"%s\",\"ep_ranks\":%d,"
+              "\"ep_tokens\":%lld,\"ep_rows\":\"%s\",\"registered_bytes_zero_copy\":%zu,\"registered_bytes_staged\":%zu}\n",
+              b.version.c_str(), b.cuda_backend ? "true" : "false", b.devices.size(), p.name.c_str(), R, tokens,
+              dt.c_str(), zero_copy, staged);
   return 0;
 }
 

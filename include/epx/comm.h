@@ -147,6 +147,11 @@ class Group {
 /// A fresh NCCL unique id in hex (what EPX_NCCL_ID and Group::create_from_id take).
 std::string nccl_unique_id();
 
+/// The bytes of communication buffers one rank of a group with `config` on `num_ranks` ranks
+/// registers with NCCL over `transport` (zero-copy: its window; staged: its send and receive
+/// buffers): what Group::registered_bytes() returns once the group exists, known without a GPU.
+size_t registered_bytes_per_rank(const GroupConfig& config, int num_ranks, Transport transport);
+
 /// Runs fn(group_of_rank_r) on one thread per rank and joins them; the first exception thrown by
 /// any rank is rethrown (after all threads ended) with the rank named.
 void run_ranks(std::vector<Group>& groups, const std::function<void(Group&)>& fn);

@@ -30,20 +30,7 @@ constexpr int kFanoutUnroll = 8;
 constexpr int kMaxK = 32;
 constexpr int kMaxR = 64;
 
-// The signal area after the window's layout: the barrier inboxes (R words, padded to 256 bytes),
-// then the arrival counters of the overlapped dispatch, [source][chunk of kArrivalChunk slots].
-constexpr int kArrivalChunk = 8;
-__host__ __device__ inline size_t inbox_bytes(int R) { return (static_cast<size_t>(R) * 4 + 255) / 256 * 256; }
-__host__ __device__ inline int arrival_chunks(int max_tokens) { return (max_tokens + kArrivalChunk - 1) / kArrivalChunk; }
-__host__ __device__ inline size_t arrival_bytes(int R, int max_tokens) {
-  return static_cast<size_t>(R) * arrival_chunks(max_tokens) * sizeof(uint32_t);
-}
-
-// After the counters: the ticket with which the last block of an overlapped launch knows it is last,
-// then the overlapped combine's item counter (work_counter).
-__host__ __device__ inline size_t signal_area_bytes(int R, int max_tokens) {
-  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + 2 * sizeof(uint32_t);
-}
+// The signal area (inboxes, arrival counters, ticket, item counter): core/window_layout.h.
 
 __host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
   return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns};

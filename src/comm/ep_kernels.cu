@@ -402,10 +402,6 @@ void check_limits(const DeviceGroup& g, int K, const char* fn) {
 
 }  // namespace
 
-size_t signal_bytes(int num_ranks, int max_tokens) {
-  return (signal_area_bytes(num_ranks, max_tokens) + 255) / 256 * 256;
-}
-
 Link& barrier_link() {
   static BarrierLink link;
   return link;

@@ -103,9 +103,6 @@ class Link {
 /// The zero-copy link: a device barrier (with timeout) over the windows' inboxes.
 Link& barrier_link();
 
-/// Bytes of the signal area appended to the window (barrier inboxes, dispatch arrival counters).
-size_t signal_bytes(int num_ranks, int max_tokens);
-
 /// Zero-copy: fills g.out ([3R] device array `out`) from the LSA pointers in `peer_window`.
 void build_zero_copy_mailboxes(const WindowLayout& layout, int rank, int num_ranks, char* const* peer_window,
                                char** out, cudaStream_t stream);

@@ -154,11 +154,11 @@ struct RankResources {
     DeviceGuard g(device);
     layout = WindowLayout::make(c, size);
     if (transport == Transport::kZeroCopy) {
-      window_bytes = layout.total + signal_bytes(size, layout.max_tokens);
+      window_bytes = layout.window_bytes();
       nccl_check(ncclMemAlloc(&window, window_bytes), "ncclMemAlloc of the EP window");
       EPX_CUDA_CHECK(cudaMemset(window, 0, window_bytes));
     } else {
-      staging_bytes = layout.reduce;  // up to the end of the rows regions; all-reduce chunks use the rows regions
+      staging_bytes = layout.staging_bytes();
       nccl_check(ncclMemAlloc(&send_buf, staging_bytes), "ncclMemAlloc of the staged send buffer");
       nccl_check(ncclMemAlloc(&recv_buf, staging_bytes), "ncclMemAlloc of the staged receive buffer");
       EPX_CUDA_CHECK(cudaMemset(send_buf, 0, staging_bytes));

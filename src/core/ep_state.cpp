@@ -11,6 +11,7 @@
 
 #include "core/device_memory.h"
 #include "core/env_choice.h"
+#include "core/window_layout.h"
 #include "epx/error.h"
 
 namespace epx {
@@ -99,6 +100,16 @@ Transport requested_transport(const GroupConfig& c, const char* fn) {
   const char* env = std::getenv("EPX_TRANSPORT");
   const Transport from_env = env ? parse_transport(env, fn) : Transport::kAuto;
   return c.transport != Transport::kAuto ? c.transport : from_env;
+}
+
+size_t registered_bytes_per_rank(const GroupConfig& config, int num_ranks, Transport transport) {
+  const char* fn = "epx::registered_bytes_per_rank";
+  require(num_ranks >= 1, fn, "num_ranks is ", num_ranks, ", expected >= 1");
+  config.validate(fn, num_ranks);
+  require(transport == Transport::kZeroCopy || transport == Transport::kStaged, fn, "transport is ",
+          transport_name(transport), ", expected zero-copy or staged (auto resolves when the group is made)");
+  const WindowLayout w = WindowLayout::make(config, num_ranks);
+  return transport == Transport::kZeroCopy ? w.window_bytes() : 2 * w.staging_bytes();
 }
 
 uint64_t next_group_id() {

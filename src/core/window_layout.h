@@ -25,6 +25,21 @@ struct RowMeta {
                          // travel exactly, fp64 ones (reference gradient checks) too
 };
 
+// The signal area after a zero-copy window's layout: the barrier inboxes (R words, padded to 256
+// bytes), then the overlapped kernels' arrival counters, [source][chunk of kArrivalChunk slots],
+// then the last-block ticket and the combine's item counter.
+constexpr int kArrivalChunk = 8;
+EPX_HOST_DEVICE inline size_t inbox_bytes(int R) { return (static_cast<size_t>(R) * 4 + 255) / 256 * 256; }
+EPX_HOST_DEVICE inline int arrival_chunks(int max_tokens) { return (max_tokens + kArrivalChunk - 1) / kArrivalChunk; }
+EPX_HOST_DEVICE inline size_t arrival_bytes(int R, int max_tokens) {
+  return static_cast<size_t>(R) * arrival_chunks(max_tokens) * sizeof(uint32_t);
+}
+EPX_HOST_DEVICE inline size_t signal_area_bytes(int R, int max_tokens) {
+  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + 2 * sizeof(uint32_t);
+}
+/// The signal area as allocated after the layout: rounded up to 256 bytes.
+inline size_t signal_bytes(int R, int max_tokens) { return (signal_area_bytes(R, max_tokens) + 255) / 256 * 256; }
+
 struct WindowLayout {
   static constexpr size_t kReduceBytes = 64 * 1024;
   int num_ranks = 0;
@@ -51,6 +66,11 @@ struct WindowLayout {
     w.total = w.reduce + static_cast<size_t>(num_ranks) * kReduceBytes;
     return w;
   }
+  /// Bytes of one rank's zero-copy window: the layout, then the signal area.
+  size_t window_bytes() const { return total + signal_bytes(num_ranks, max_tokens); }
+  /// Bytes of each of the staged transport's two buffers (send, receive): the header, meta and rows
+  /// regions (all-reduce chunks travel in the rows regions).
+  size_t staging_bytes() const { return reduce; }
   EPX_HOST_DEVICE size_t header_offset(int src) const { return header + src * header_ints * sizeof(int32_t); }
   EPX_HOST_DEVICE size_t meta_offset(int src, int slot) const {
     return meta + (static_cast<size_t>(src) * max_tokens + slot) * max_topk * sizeof(RowMeta);

@@ -454,6 +454,36 @@ TEST(EpHostErrors, GroupConfig) {
   }
 }
 
+// registered_bytes_per_rank against what Group::registered_bytes() returned on GPUs for the same
+// configs (bench_ep's: max_tokens_per_rank = T, max_topk = K, bf16 rows; 2 and 4 x H200, the
+// `registered_bytes` field of bench/results/2026-11-26_*_ep_*.jsonl).
+TEST(EpHost, RegisteredBytesPerRankAreWhatGroupsRegister) {
+  struct Known {
+    int ranks, tokens;
+    int64_t hidden;
+    int experts;
+    Transport transport;
+    size_t bytes;
+  };
+  const Known known[] = {
+      {2, 4096, 7168, 256, Transport::kZeroCopy, 118626048}, {2, 128, 7168, 256, Transport::kZeroCopy, 3835648},
+      {2, 4096, 4096, 64, Transport::kZeroCopy, 68293632},   {4, 4096, 7168, 256, Transport::kZeroCopy, 237250304},
+      {2, 4096, 7168, 256, Transport::kStaged, 236980736},   {4, 4096, 7168, 256, Transport::kStaged, 473958912},
+  };
+  for (const Known& k : known) {
+    GroupConfig c;
+    c.num_experts = k.experts;
+    c.hidden = k.hidden;
+    c.max_tokens_per_rank = k.tokens;
+    c.max_topk = 8;
+    EXPECT_EQ(registered_bytes_per_rank(c, k.ranks, k.transport), k.bytes)
+        << k.ranks << " ranks, T=" << k.tokens << ", H=" << k.hidden << ", " << transport_name(k.transport);
+  }
+  GroupConfig c = small_config();
+  EXPECT_TRUE(has(error_of([&] { registered_bytes_per_rank(c, 2, Transport::kAuto); }), "transport is auto"));
+  EXPECT_TRUE(has(error_of([&] { registered_bytes_per_rank(c, 0, Transport::kStaged); }), "num_ranks is 0"));
+}
+
 // The launcher's variables: one that is set but not a whole number is an error naming it (read as
 // 0 it would make this process a second rank 0). Checked before any device or NCCL call, so it
 // runs without a GPU; a build without the CUDA backend has no create_from_env (skipped).

@@ -281,6 +281,8 @@ TEST_P(EpNcclGpu, RegisteredBytesAreTheRankMajorBuffers) {
   for (Group& g : groups) {
     if (GetParam() == Transport::kStaged) EXPECT_EQ(g.registered_bytes(), 2 * L.reduce) << "rank " << g.rank();
     else EXPECT_GE(g.registered_bytes(), L.total) << "rank " << g.rank();
+    // What `epx info` reports before any group exists.
+    EXPECT_EQ(g.registered_bytes(), registered_bytes_per_rank(config_of(c), c.ranks, GetParam())) << "rank " << g.rank();
   }
 }
 
