@@ -166,3 +166,20 @@ def test_group_config_keywords_reach_the_config():
     assert not _config.group_config(8, 16, 4).staged_exact_sizes
     with pytest.raises(ValueError, match="transport is 'fast'"):
         _config.group_config(8, 16, 4, transport="fast")
+
+
+def test_launcher_variables_are_whole_numbers(monkeypatch):
+    from epx._config import launcher_int
+    monkeypatch.setenv("RANK", "3")
+    assert launcher_int("RANK", "who") == 3
+    for bad in ("abc", "1x", "2.0"):
+        monkeypatch.setenv("RANK", bad)
+        with pytest.raises(ValueError, match=f"who: RANK is '{bad}', expected a whole number"):
+            launcher_int("RANK", "who")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launcher_int("LOCAL_RANK", "who", default=0) == 0
+    monkeypatch.setenv("LOCAL_RANK", "")
+    assert launcher_int("LOCAL_RANK", "who", default=0) == 0
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(KeyError):
+        launcher_int("WORLD_SIZE", "who")

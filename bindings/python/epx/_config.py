@@ -1,5 +1,7 @@
 """GroupConfig and RouterConfig from keyword arguments, shared by the framework layers (epx.torch,
-epx.jax)."""
+epx.jax), and the launcher's variables."""
+import os
+
 from . import _C
 
 TRANSPORTS = {"auto": _C.Transport.auto, "zerocopy": _C.Transport.zerocopy, "staged": _C.Transport.staged}
@@ -49,3 +51,18 @@ def router_config(num_experts, topk, *, score="softmax", num_groups=1, group_top
     c.use_expert_bias = bool(use_expert_bias)
     c.validate()
     return c
+
+
+def launcher_int(name, who, default=None):
+    """Launcher variable `name` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT) as an int. Unset or empty:
+    `default`, or KeyError(name) where there is none. Anything but a whole number is a ValueError
+    naming the variable (read as 0 a bad RANK would make a second rank 0)."""
+    text = os.environ.get(name, "")
+    if text == "":
+        if default is None:
+            raise KeyError(name)
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{who}: {name} is '{text}', expected a whole number") from None

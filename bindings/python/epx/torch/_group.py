@@ -85,10 +85,11 @@ class Group:
         cfg = group_config(**config)
         if "EPX_NCCL_ID" in os.environ or "EPX_NCCL_ID_FILE" in os.environ:
             return cls(_C.Group.create_from_env(cfg))
+        who = "epx.torch.Group.from_env"
         try:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            rank, world = _config.launcher_int("RANK", who), _config.launcher_int("WORLD_SIZE", who)
+            local = _config.launcher_int("LOCAL_RANK", who, default=0)
+            host, port = os.environ["MASTER_ADDR"], _config.launcher_int("MASTER_PORT", who)
         except KeyError as e:
             raise ValueError(f"epx.torch.Group.from_env: {e.args[0]} is not set, expected a torchrun-style "
                              "environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or "
