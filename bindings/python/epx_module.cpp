@@ -190,6 +190,7 @@ void bind_group(nb::module_& m) {
       .def("check", &Group::check, Release());
   m.def("transport_name", &transport_name);
   m.def("nccl_unique_id", &nccl_unique_id);
+  m.def("registered_bytes_per_rank", &registered_bytes_per_rank, "config"_a, "num_ranks"_a, "transport"_a);
   m.def("all_reduce_sum", [](Group& g, const TensorRef& b, uintptr_t s) { all_reduce_sum(g, b, stream_of(s)); },
         "group"_a, "buffer"_a, "stream"_a = 0, Release());
 

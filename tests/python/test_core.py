@@ -183,3 +183,14 @@ def test_launcher_variables_are_whole_numbers(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(KeyError):
         launcher_int("WORLD_SIZE", "who")
+
+
+def test_registered_bytes_per_rank_of_the_deepseek_v3_layer():
+    # The bytes the group registered on 2 x H200 (what `epx info --preset deepseek-v3 --ranks 2` prints).
+    p = epx.find_preset("deepseek-v3")
+    gc = epx.GroupConfig()
+    gc.num_experts, gc.hidden, gc.max_tokens_per_rank, gc.max_topk = p.experts, p.hidden, p.tokens, p.topk
+    assert epx.registered_bytes_per_rank(gc, 2, epx.Transport.zerocopy) == 118626048
+    assert epx.registered_bytes_per_rank(gc, 2, epx.Transport.staged) == 236980736
+    with pytest.raises(ValueError, match="transport is auto"):
+        epx.registered_bytes_per_rank(gc, 2, epx.Transport.auto)

@@ -22,10 +22,11 @@ from ._C import (  # noqa: F401  (re-exported)
     find_preset,
     moe_config,
     preset_names,
+    registered_bytes_per_rank,
 )
 
 __all__ = ["Activation", "AuxLossType", "DropPolicy", "DType", "GroupConfig", "MlpConfig", "MlpPrecision", "MoEConfig",
            "ParamStorage", "PrepareOptions", "RouterConfig", "ScoreFunction", "Transport", "find_preset", "moe_config",
-           "preset_names"]
+           "preset_names", "registered_bytes_per_rank"]
 __version__ = _C.__version__
 cuda_backend = _C.cuda_backend
