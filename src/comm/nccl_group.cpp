@@ -20,9 +20,7 @@
 #include <nccl.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +37,7 @@
 #include "comm/handle_pool.h"
 #include "comm/nccl_window.h"
 #include "core/device_memory.h"
+#include "core/env_choice.h"
 #include "core/ep_state.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/layout/layout.h"
@@ -640,12 +639,9 @@ int env_int(const char* fn, std::initializer_list<const char*> names, int fallba
   for (const char* n : names) {
     const char* v = std::getenv(n);
     if (v == nullptr || *v == '\0') continue;
-    char* end = nullptr;
-    errno = 0;
-    const long x = std::strtol(v, &end, 10);
-    require(end != v && *end == '\0' && errno == 0 && x >= INT_MIN && x <= INT_MAX, fn, n, " is \"", v,
-            "\", expected a whole number");
-    return static_cast<int>(x);
+    int x = 0;
+    require(detail::parse_int(v, x), fn, n, " is \"", v, "\", expected a whole number");
+    return x;
   }
   return fallback;
 }

@@ -24,15 +24,22 @@ int env_choice(const char* name, std::initializer_list<const char*> choices) {
   throw Error(Status::kInvalidArgument, concat("epx: ", name, " is \"", v, "\", expected ", listed));
 }
 
+bool parse_int(const char* text, int& out) {
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || errno != 0 || n < INT_MIN || n > INT_MAX) return false;
+  out = static_cast<int>(n);
+  return true;
+}
+
 int env_positive_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const long n = std::strtol(v, &end, 10);
-  if (end == v || *end != '\0' || errno != 0 || n <= 0 || n > INT_MAX)
+  int n = 0;
+  if (!parse_int(v, n) || n <= 0)
     throw Error(Status::kInvalidArgument, concat("epx: ", name, " is \"", v, "\", expected a positive integer"));
-  return static_cast<int>(n);
+  return n;
 }
 
 double env_positive_number(const char* name, double fallback, double max) {

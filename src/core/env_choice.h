@@ -12,6 +12,10 @@ namespace epx::detail {
 /// empty. Any other value throws Error (kInvalidArgument) naming the variable and every choice.
 int env_choice(const char* name, std::initializer_list<const char*> choices);
 
+/// `text` as a whole number in int's range (decimal, an optional sign, nothing after it): true with
+/// `out` set, else false and `out` untouched.
+bool parse_int(const char* text, int& out);
+
 /// A positive integer from environment variable `name`, or `fallback` where it is unset or empty.
 /// Anything else (zero, negative, not a whole number) throws Error naming the variable.
 int env_positive_int(const char* name, int fallback);

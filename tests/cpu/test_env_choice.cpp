@@ -2,6 +2,7 @@
 // caller's default, and anything else is an error naming the variable, the value and every choice.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <string>
 #include <utility>
 
@@ -65,6 +66,19 @@ TEST(EnvChoice, PositiveIntegersOrTheFallback) {
       EXPECT_NE(w.find("EPX_TEST_KNOB"), std::string::npos) << w;
       EXPECT_NE(w.find("expected a positive integer"), std::string::npos) << w;
     }
+  }
+}
+
+TEST(EnvChoice, WholeNumbersInIntRange) {
+  for (const auto& [text, value] : {std::pair<const char*, int>{"0", 0}, {"-3", -3}, {"+7", 7}, {"2147483647", INT_MAX}}) {
+    int out = 99;
+    EXPECT_TRUE(detail::parse_int(text, out)) << text;
+    EXPECT_EQ(out, value) << text;
+  }
+  for (const char* bad : {"", "x", "1x", "1.5", " 3 ", "2147483648", "-99999999999"}) {
+    int out = 99;
+    EXPECT_FALSE(detail::parse_int(bad, out)) << "\"" << bad << "\"";
+    EXPECT_EQ(out, 99) << "\"" << bad << "\" changed the output";
   }
 }
 
