@@ -32,6 +32,7 @@
 #include "comm/ep_timeline.cuh"
 #include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/dependent_launch.cuh"
 
 namespace epx::comm::ep_device {
 namespace {
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   const DeviceGroup& g = a.g;
   const int R = g.R;
   const int64_t nvec = a.H / N;
+  cuda::wait_for_previous_grid();
   EPX_STAMP(kTlEntry);
   EPX_STAMP_GRID(reduce_blocks);
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
@@ -116,6 +118,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     }
   }
   EPX_STAMP(kTlRoleDone);
+  cuda::allow_next_grid();
   // The last block to finish zeroes this rank's counters (every arrival they count has landed).
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -176,8 +179,8 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   ra.max_pieces = max_pieces;
   ra.claim_items = claim;
   ra.inline_barrier = inline_barrier;
-  combine_overlap_kernel<T, N, W><<<reduce + sum, W * 32, 0, stream>>>(ra, reduce);
-  EPX_CHECK_LAUNCH("combine_overlap_kernel");
+  cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W>, reduce + sum,
+                              W * 32, 0, stream, ra, reduce);
   return true;
 }
 

@@ -28,6 +28,7 @@
 #include "comm/ep_timeline.cuh"
 #include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/dependent_launch.cuh"
 
 namespace epx::comm::ep_device {
 namespace {
@@ -217,6 +218,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
     dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.send.g;
+  cuda::wait_for_previous_grid();
   EPX_STAMP(kTlEntry);
   EPX_STAMP_GRID(a.send_blocks);
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
@@ -224,6 +226,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane, next);
   else expand_role<V, W, kShared>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
   EPX_STAMP(kTlRoleDone);
+  cuda::allow_next_grid();
 #ifdef EPX_EP_TIMELINE
   __syncthreads();
   EPX_STAMP(kTlExit);
@@ -283,8 +286,8 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
        cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
   OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier};
-  dispatch_overlap_kernel<V, W, kShared><<<send + expand, W * 32, 0, stream>>>(a);
-  EPX_CHECK_LAUNCH("dispatch_overlap_kernel");
+  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared>,
+                              send + expand, W * 32, 0, stream, a);
   return true;
 }
 

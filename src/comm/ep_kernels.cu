@@ -27,6 +27,7 @@
 #include "comm/ep_device.cuh"
 #include "comm/signal.cuh"
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/common/row_reduce_tuning.h"
 
@@ -103,6 +104,9 @@ constexpr int kWriteHeaders = 1, kReadHeaders = 2;
 // both phases run in one launch around the barriers; the staged transport launches them apart,
 // with the NCCL delivery in between.
 __global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phases, bool barriers) {
+  // One block: the next grid (the dispatch) may take the other SMs now and wait there for it.
+  cuda::wait_for_previous_grid();
+  cuda::allow_next_grid();
   const DeviceGroup& g = a.g;
   const int Le = g.Le, R = g.R, hw = Le + 2;
   if (phases & kWriteHeaders) {
@@ -428,8 +432,8 @@ void exchange_counts(const DeviceGroup& g, Link& link, HandleState& h, int32_t* 
                  h.status.ptr<int32_t>()};
   cudaStream_t s = cuda::to_cuda(stream);
   if (link.device_barriers()) {  // one launch, the barriers inside
-    exchange_kernel<<<1, 1024, 0, s>>>(a, kWriteHeaders | kReadHeaders, true);
-    EPX_CHECK_LAUNCH("exchange_kernel");
+    cuda::launch_after_previous("launch of exchange_kernel", exchange_kernel, 1, 1024, 0, s, a,
+                                kWriteHeaders | kReadHeaders, true);
     return;
   }
   link.before_write(g, kOpPrepare, s);

@@ -103,8 +103,8 @@ void run_fused(layout::Params p, int pass, cudaStream_t stream) {
   if (smem > 48 * 1024)
     EPX_CUDA_CHECK(cudaFuncSetAttribute(layout::layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
-  layout::layout_kernel<<<blocks, layout::kLayoutThreads, smem, stream>>>(p);
-  EPX_CHECK_LAUNCH("layout_kernel");
+  cuda::launch_after_previous("launch of layout_kernel", layout::layout_kernel, blocks, layout::kLayoutThreads, smem,
+                              stream, p);
 }
 
 void run_passes(layout::Params p, bool finalize_tokens, cudaStream_t stream) {

@@ -55,6 +55,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/dependent_launch.cuh"
+
 namespace epx::cuda::layout {
 
 constexpr int kThreads = 256;
@@ -515,6 +517,10 @@ __host__ __device__ inline size_t layout_smem_bytes(int E, int R, int chunk) {
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(Params p) {
+  // Launched after the previous grid (cuda/common/dependent_launch.cuh); the next grid (prepare's
+  // exchange) is small, so it may take its SM now and wait there for this grid's results.
+  cuda::wait_for_previous_grid();
+  cuda::allow_next_grid();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint64_t* bits = reinterpret_cast<uint64_t*>(smem_raw);  // [chunk] destination ranks of each token
   int32_t* hist = reinterpret_cast<int32_t*>(bits + p.chunk);  // [E] this chunk's pairs per expert
