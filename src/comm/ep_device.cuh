@@ -74,14 +74,26 @@ __device__ __forceinline__ uint32_t* work_counter(const DeviceGroup& g) { return
 // too (a rank waits only for the peers it writes to; each of those waits for it in turn before
 // writing back). The last block of the launch to finish counts the op into the epoch. Every block
 // reads the epoch at its start, before that.
+// The signal is a relaxed store: it carries no data, and what a peer's writes after it must not
+// overtake is this rank's previous op, whose grid has completed before this one began (stream order,
+// or the wait of a dependent launch): its reads have returned and its writes to this rank's memory
+// (the counters' reset) are at this GPU's L2, where the peer's stores and atomics land. A fence and
+// a release store (EPX_EP_SIGNAL=fence, as before) cost block 0 ~2 us at the start of every op; at
+// T=128 on 2 x H200 the dispatch took 16.5-16.9 us with the relaxed store against 18.4-19.1.
 __device__ __forceinline__ uint32_t inline_barrier_begin(const DeviceGroup& g) {
   __shared__ uint32_t next_s;
   if (threadIdx.x == 0) {
     next_s = *g.epoch + 1;
     if (blockIdx.x == 0) {
-      __threadfence_system();
-      for (int p = 0; p < g.R; ++p)
-        if (p != g.rank) store_release_sys(g.peer_inbox[p] + g.rank, next_s);
+      if (g.signal_mode == kSignalFence) __threadfence_system();
+      for (int p = 0; p < g.R; ++p) {
+        if (p == g.rank) continue;
+        uint32_t* inbox = g.peer_inbox[p] + g.rank;
+        if (g.signal_mode == kSignalRelaxed)
+          asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(inbox), "r"(next_s) : "memory");
+        else
+          store_release_sys(inbox, next_s);
+      }
     }
   }
   __syncthreads();

@@ -56,7 +56,12 @@ struct DeviceGroup {
   // (the rest stay free for work running beside it). 0: the link kernels get send_blocks and the
   // receive side (expansion, reduction, sums) every SM.
   int sm_budget = 0;
+  // How block 0 of an overlapped launch tells the peers that this rank has reached the op
+  // (inline_barrier_begin; EPX_EP_SIGNAL): kSignalRelaxed (default), kSignalRelease, kSignalFence.
+  int signal_mode = 0;
 };
+
+enum SignalMode : int { kSignalRelaxed = 0, kSignalRelease = 1, kSignalFence = 2 };
 
 /// The blocks of an EP launch that would get `auto_blocks` without a budget.
 inline int budget_blocks(const DeviceGroup& g, int auto_blocks) {

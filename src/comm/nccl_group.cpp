@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -427,6 +428,7 @@ class NcclGroup final : public GroupState {
     dg_.timeout_ns = static_cast<uint64_t>(resolved_timeout_s(c) * 1e9);
     dg_.send_blocks = c.num_sms > 0 ? c.num_sms : 32;
     dg_.sm_budget = c.num_sms;
+    dg_.signal_mode = std::max(0, ::epx::detail::env_choice("EPX_EP_SIGNAL", {"relaxed", "release", "fence"}));
     if (transport == Transport::kZeroCopy) {
       dg_.peer_window = static_cast<char* const*>(r.peer_window.data());
       dg_.my_window = static_cast<char*>(r.window);
