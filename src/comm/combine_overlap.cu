@@ -156,6 +156,11 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   // sum blocks took 249 / 267 / 242 / 305 us at T=4096, H=7168; 153 / 156 / 146 / 170 us at H=4096,
   // E=64; 94 / 93 / 84 / 107 us at T=1024; T=128 level.
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
+  // Decode batches, where this rank's tokens times the ranks (a guess at the partials to make) leave
+  // at least 4 pieces a partial on one reduce block per SM, take EPX_COMBINE_DECODE_REDUCE_PER_SM
+  // (default 1). 2 x H200, T=128, H=7168: 1 / 2 / 3 reduce blocks per SM gave 19.7 / 20.9 / 20.7 us
+  // and 19.9 / 20.6 / 20.6 (graph-timed 18.0 / 18.6 / 18.5); fewer warps, each a larger piece.
+  static const int decode_per_sm = overlap_knob("EPX_COMBINE_DECODE_REDUCE_PER_SM", 1);
   static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", sms);
   // Under an SM budget (GroupConfig::num_sms): a quarter of it sums (EPX_COMBINE_BUDGET_SUM_PER_MILLE,
   // default 250), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 /
@@ -165,7 +170,9 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 250);
   const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
                                   : std::min(sum_blocks, cap - 1);
-  const int reduce = std::min(budget_blocks(g, per_sm * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
+  const bool decode = g.sm_budget == 0 && static_cast<int64_t>(a.T) * g.R * 4 <= static_cast<int64_t>(sms) * W;
+  const int reduce =
+      std::min(budget_blocks(g, (decode ? decode_per_sm : per_sm) * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
   if (debug) std::fprintf(stderr, "epx: combine_overlap_kernel grid %d + %d (resident cap %d)\n", reduce, sum, cap);
   if (reduce < 1) return false;
