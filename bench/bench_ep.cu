@@ -30,6 +30,7 @@
 #include "bench/bench_util.h"
 #include "comm/ep_timeline.h"
 #include "core/device_memory.h"
+#include "core/env_choice.h"
 #include "core/host_barrier.h"
 #include "core/ep_state.h"
 #include "epx/comm.h"
@@ -320,12 +321,19 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
 int main(int argc, char** argv) {
   int T = 0, H = 0, E = 0, K = 0, sms = 32;
   std::vector<Transport> transports = {Transport::kZeroCopy, Transport::kStaged};
+  // A number option that is not a whole number >= 0 is an error naming it (atoi would read it as 0).
+  auto number = [](const char* name, const char* text, int& out) {
+    if (detail::parse_int(text, out) && out >= 0) return true;
+    std::fprintf(stderr, "bench_ep: %s is \"%s\", expected a whole number >= 0\n", name, text);
+    return false;
+  };
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens")) T = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--hidden")) H = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--experts")) E = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--topk")) K = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--sms")) sms = std::atoi(argv[i + 1]);
+    bool ok = true;
+    if (!std::strcmp(argv[i], "--tokens")) ok = number("--tokens", argv[i + 1], T);
+    else if (!std::strcmp(argv[i], "--hidden")) ok = number("--hidden", argv[i + 1], H);
+    else if (!std::strcmp(argv[i], "--experts")) ok = number("--experts", argv[i + 1], E);
+    else if (!std::strcmp(argv[i], "--topk")) ok = number("--topk", argv[i + 1], K);
+    else if (!std::strcmp(argv[i], "--sms")) ok = number("--sms", argv[i + 1], sms);
     else if (!std::strcmp(argv[i], "--transport")) {
       const std::string v = argv[i + 1];
       if (v == "both") transports = {Transport::kZeroCopy, Transport::kStaged};
@@ -335,11 +343,16 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bench_ep: --transport is \"%s\", expected zerocopy, staged or both\n", v.c_str());
         return 2;
       }
+    } else {
+      std::fprintf(stderr, "bench_ep: unknown option \"%s\"\n", argv[i]);
+      return 2;
     }
+    if (!ok) return 2;
   }
   const bool launched = tools::started_by_launcher();
   const int gpus = detail::cuda_device_count();
-  const int ranks = launched ? std::atoi(std::getenv("WORLD_SIZE")) : gpus;
+  int ranks = gpus;
+  if (launched && !number("WORLD_SIZE", std::getenv("WORLD_SIZE"), ranks)) return 2;
   if (ranks < 2) {
     std::fprintf(stderr, "bench_ep: needs 2 ranks, %d %s: skipped\n", ranks, launched ? "launched" : "GPUs visible");
     return 0;

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/env_choice.h"
 #include "epx/error.h"
 
 namespace epx::tools {
@@ -19,7 +20,10 @@ bool started_by_launcher() { return std::getenv("RANK") != nullptr && std::geten
 
 int launcher_rank() {
   const char* r = std::getenv("RANK");
-  return r ? std::atoi(r) : 0;
+  if (r == nullptr || *r == '\0') return 0;
+  int rank = 0;
+  require(detail::parse_int(r, rank) && rank >= 0, "epx launcher", "RANK is \"", r, "\", expected a whole number >= 0");
+  return rank;
 }
 
 int run_local_ranks(int ranks, const std::vector<std::string>& args, int grace_s) {
