@@ -1,10 +1,12 @@
 // `epx info`: what this build is and what it can see (devices, CUDA and NCCL versions, flags), and
 // the bytes an EP group of a preset's shape registers per rank on either transport.
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "core/device_memory.h"
+#include "core/env_names.h"
 #include "core/version.h"
 #include "epx/comm.h"
 #include "epx/presets.h"
@@ -62,10 +64,24 @@ int run_info(const std::vector<std::string>& args) {
               " on %d ranks: zero-copy window %zu bytes (%.3f GB), staged send + receive buffers %zu bytes (%.3f GB)\n",
               p.name.c_str(), tokens, static_cast<long long>(p.hidden), p.experts, p.topk, dt.c_str(), R, zero_copy,
               zero_copy * 1e-9, staged, staged * 1e-9);
+  // The EPX_* variables set here: those epx reads with their values, the others flagged (a name
+  // epx does not read changes nothing, most likely a misspelling).
+  std::string set_json, unknown_json;
+  for (const std::string& name : detail::known_env_names()) {
+    const char* v = std::getenv(name.c_str());
+    if (v == nullptr) continue;
+    std::printf("  %s=%s\n", name.c_str(), v);
+    set_json += (set_json.empty() ? "\"" : ",\"") + name + "\"";
+  }
+  for (const std::string& name : detail::unknown_env_names()) {
+    std::printf("  %s is set, but epx reads no variable of that name (a misspelling?)\n", name.c_str());
+    unknown_json += (unknown_json.empty() ? "\"" : ",\"") + name + "\"";
+  }
   std::printf("{\"version\":\"%s\",\"cuda_backend\":%s,\"devices\":%zu,\"ep_preset\":\"%s\",\"ep_ranks\":%d,"
-              "\"ep_tokens\":%lld,\"ep_rows\":\"%s\",\"registered_bytes_zero_copy\":%zu,\"registered_bytes_staged\":%zu}\n",
+              "\"ep_tokens\":%lld,\"ep_rows\":\"%s\",\"registered_bytes_zero_copy\":%zu,\"registered_bytes_staged\":%zu,"
+              "\"env_set\":[%s],\"env_unknown\":[%s]}\n",
               b.version.c_str(), b.cuda_backend ? "true" : "false", b.devices.size(), p.name.c_str(), R, tokens,
-              dt.c_str(), zero_copy, staged);
+              dt.c_str(), zero_copy, staged, set_json.c_str(), unknown_json.c_str());
   return 0;
 }
 

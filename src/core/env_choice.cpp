@@ -7,11 +7,13 @@
 #include <cstring>
 #include <string>
 
+#include "core/env_names.h"
 #include "epx/error.h"
 
 namespace epx::detail {
 
 int env_choice(const char* name, std::initializer_list<const char*> choices) {
+  warn_unknown_env_names_once();
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return -1;
   int i = 0;
@@ -34,6 +36,7 @@ bool parse_int(const char* text, int& out) {
 }
 
 int env_positive_int(const char* name, int fallback) {
+  warn_unknown_env_names_once();
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   int n = 0;
@@ -43,6 +46,7 @@ int env_positive_int(const char* name, int fallback) {
 }
 
 double env_positive_number(const char* name, double fallback, double max) {
+  warn_unknown_env_names_once();
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;

@@ -11,6 +11,7 @@
 
 #include "core/device_memory.h"
 #include "core/env_choice.h"
+#include "core/env_names.h"
 #include "core/window_layout.h"
 #include "epx/error.h"
 
@@ -28,6 +29,7 @@ const char* transport_name(Transport t) {
 }
 
 void GroupConfig::validate(const char* fn, int num_ranks) const {
+  detail::warn_unknown_env_names_once();  // every group is made through here
   require(num_ranks >= 1, fn, "the group has ", num_ranks, " ranks, expected >= 1");
   require(num_experts >= 1, fn, "config.num_experts is ", num_experts, ", expected >= 1");
   require(num_experts % num_ranks == 0, fn, "config.num_experts is ", num_experts,
