@@ -16,6 +16,7 @@
 
 #include "epx/epx.h"
 #include "epx/presets.h"
+#include "core/env_names.h"
 #include "core/version.h"
 #include "shape_of.h"
 #ifdef EPX_WITH_JAX_FFI
@@ -191,6 +192,9 @@ void bind_group(nb::module_& m) {
   m.def("transport_name", &transport_name);
   m.def("nccl_unique_id", &nccl_unique_id);
   m.def("registered_bytes_per_rank", &registered_bytes_per_rank, "config"_a, "num_ranks"_a, "transport"_a);
+  // The EPX_* variables epx reads, and those set in this process that it does not (misspellings).
+  m.def("known_env_names", [] { return detail::known_env_names(); });
+  m.def("unknown_env_names", [] { return detail::unknown_env_names(); });
   m.def("all_reduce_sum", [](Group& g, const TensorRef& b, uintptr_t s) { all_reduce_sum(g, b, stream_of(s)); },
         "group"_a, "buffer"_a, "stream"_a = 0, Release());
 

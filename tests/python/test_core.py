@@ -194,3 +194,14 @@ def test_registered_bytes_per_rank_of_the_deepseek_v3_layer():
     assert epx.registered_bytes_per_rank(gc, 2, epx.Transport.staged) == 236980736
     with pytest.raises(ValueError, match="transport is auto"):
         epx.registered_bytes_per_rank(gc, 2, epx.Transport.auto)
+
+
+def test_misspelt_variables_are_named(monkeypatch):
+    # os.environ reaches the C environment, where the library looks for EPX_* names it does not read.
+    monkeypatch.setenv("EPX_TRANSPROT", "staged")
+    monkeypatch.setenv("EPX_PDL", "1")
+    assert "EPX_TRANSPROT" in epx.unknown_env_names()
+    assert "EPX_PDL" not in epx.unknown_env_names()
+    assert "EPX_PDL" in epx.known_env_names() and "EPX_TRANSPORT" in epx.known_env_names()
+    monkeypatch.delenv("EPX_TRANSPROT")
+    assert "EPX_TRANSPROT" not in epx.unknown_env_names()

@@ -20,13 +20,15 @@ from ._C import (  # noqa: F401  (re-exported)
     ScoreFunction,
     Transport,
     find_preset,
+    known_env_names,
     moe_config,
     preset_names,
     registered_bytes_per_rank,
+    unknown_env_names,
 )
 
 __all__ = ["Activation", "AuxLossType", "DropPolicy", "DType", "GroupConfig", "MlpConfig", "MlpPrecision", "MoEConfig",
-           "ParamStorage", "PrepareOptions", "RouterConfig", "ScoreFunction", "Transport", "find_preset", "moe_config",
-           "preset_names", "registered_bytes_per_rank"]
+           "ParamStorage", "PrepareOptions", "RouterConfig", "ScoreFunction", "Transport", "find_preset",
+           "known_env_names", "moe_config", "preset_names", "registered_bytes_per_rank", "unknown_env_names"]
 __version__ = _C.__version__
 cuda_backend = _C.cuda_backend
