@@ -1,7 +1,5 @@
 #include "cuda/common/cuda_check.h"
 
-#include "core/env_choice.h"
-
 #include <mutex>
 #include <vector>
 
@@ -24,12 +22,6 @@ int sm_count() {
   if (static_cast<int>(counts.size()) <= dev) counts.resize(dev + 1, 0);
   if (!counts[dev]) EPX_CUDA_CHECK(cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev));
   return counts[dev];
-}
-
-// Declared in dependent_launch.cuh (which only CUDA sources include).
-bool dependent_launch_enabled() {
-  static const bool on = ::epx::detail::env_choice("EPX_PDL", {"0", "1"}) != 0;
-  return on;
 }
 
 }  // namespace epx::cuda
