@@ -67,17 +67,22 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     }
     // Work items fit in 32 bits: at most max_tokens x R x kMaxPieces.
     const int warps = reduce_blocks * W;
-    const int pieces = pieces_for(slots, warps, nvec, a.max_pieces);
+    const int pieces = max(min(a.min_pieces, max_pieces_of(nvec)), pieces_for(slots, warps, nvec, a.max_pieces));
     const int span = R * kArrivalChunk;  // slots of one chunk index
-    // A warp's first item is its index; each further one is its index plus the warps, or, with
-    // claim_items (under an SM budget), the next unclaimed item. Partials differ in their rows (0 to
-    // K on a rank), so a fixed stride can leave some warps with far more rows than others; claiming
-    // hands the next item to whichever warp is free. Lane 0 claims the next item as it starts one,
-    // so the atomic's latency hides behind the work.
+    // A warp's first item is its index w; in round k it takes item k x warps + w, or, with
+    // rotate_items, k x warps + (w + k) mod warps, or, with claim_items (under an SM budget), the
+    // next unclaimed item. Partials differ in their rows (0 to K on a rank) and in where they go (a
+    // chunk index's items are R chunks of kArrivalChunk slots, the peers' first, this rank's last),
+    // so a fixed stride that is a multiple of the span gives each warp partials of one destination
+    // only, and some warps far more rows than others. Rotating walks each warp through every
+    // position of the span; claiming hands the next item to whichever warp is free. Lane 0 claims
+    // the next item as it starts one, so the atomic's latency hides behind the work.
     const int items = maxc * span * pieces;
-    int claimed = 0;
-    for (int q = blockIdx.x * W + warp; q < items;
-         q = a.claim_items ? __shfl_sync(0xffffffffu, claimed, 0) : q + warps) {
+    const int first = blockIdx.x * W + warp;
+    int claimed = 0, round = 0;
+    for (int q = first; q < items;
+         q = a.claim_items ? __shfl_sync(0xffffffffu, claimed, 0)
+                           : ++round * warps + (a.rotate_items ? (first + round) % warps : first)) {
       if (a.claim_items && lane == 0) claimed = warps + static_cast<int>(atomicAdd(work_counter(g), 1u));
       const int item = q / pieces, piece = q % pieces;
       const int c = item / span, within = item % span;
@@ -138,11 +143,13 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   }
 }
 
-// EPX_COMBINE_ITEMS=claim|stride (read once): how every combine's reduce warps take their items;
-// unset, the caller's default.
-bool combine_items_claimed(bool default_claim) {
-  static const int env = ::epx::detail::env_choice("EPX_COMBINE_ITEMS", {"stride", "claim"});
-  return env < 0 ? default_claim : env == 1;
+enum class CombineItems { kStride, kClaim, kRotate };
+
+// EPX_COMBINE_ITEMS=stride|claim|rotate (read once): how every combine's reduce warps take their
+// items; unset, the caller's default.
+CombineItems combine_item_order(CombineItems dflt) {
+  static const int env = ::epx::detail::env_choice("EPX_COMBINE_ITEMS", {"stride", "claim", "rotate"});
+  return env < 0 ? dflt : static_cast<CombineItems>(env);
 }
 
 template <class T, int N, int W>
@@ -181,10 +188,15 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   // Partial items claimed one by one under an SM budget, by a fixed stride without one
   // (EPX_COMBINE_ITEMS=claim|stride for both). 2 x H200, T=4096, H=7168: at 32 SMs claiming took 486
   // against 524 us by stride (~11 items a warp); with every SM (~3 items a warp) 266 against 254.
-  const bool claim = combine_items_claimed(a.g.sm_budget > 0);
+  const CombineItems order = combine_item_order(a.g.sm_budget > 0 ? CombineItems::kClaim : CombineItems::kStride);
+  // Each partial over at least EPX_COMBINE_MIN_PIECES warps (default 1), also where rows are many:
+  // smaller items even out the warps' shares of rows.
+  static const int min_pieces = overlap_knob("EPX_COMBINE_MIN_PIECES", 1);
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
-  ra.claim_items = claim;
+  ra.min_pieces = min_pieces;
+  ra.claim_items = order == CombineItems::kClaim;
+  ra.rotate_items = order == CombineItems::kRotate;
   ra.inline_barrier = inline_barrier;
   cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W>, reduce + sum,
                               W * 32, 0, stream, ra, reduce);

@@ -183,7 +183,9 @@ struct ReduceArgs {
   const int32_t* send_tokens;    // [R] (the overlapped combine: partials each rank sends back)
   int op_code;                   // kOpCombine or kOpDispatchBwd: what a timeout names
   int max_pieces = 1;            // the overlapped combine: warps a row may be split over
+  int min_pieces = 1;            // the overlapped combine: warps each partial is split over at least
   bool claim_items = false;      // the overlapped combine: partial items claimed from work_counter
+  bool rotate_items = false;     // the overlapped combine: round k's items shifted by k warps (below)
   bool inline_barrier = false;   // the overlapped combine: the op's opening barrier is in its launch
 };
 

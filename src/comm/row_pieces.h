@@ -20,6 +20,13 @@ constexpr uint32_t kArrivalUnit = 840;  // the least common multiple of 1..8
 static_assert(kArrivalUnit % 5 == 0 && kArrivalUnit % 6 == 0 && kArrivalUnit % 7 == 0 && kArrivalUnit % 8 == 0,
               "every piece count must divide the arrival unit");
 
+/// The most pieces a row of `nvec` vectors takes: none under 32 vectors (one per lane), at most
+/// kMaxPieces.
+EPX_HOST_DEVICE inline int max_pieces_of(int64_t nvec) {
+  const int64_t p = nvec / 32;
+  return p < 1 ? 1 : p > kMaxPieces ? kMaxPieces : static_cast<int>(p);
+}
+
 /// Vectors [begin, end) of a row.
 struct VecRange {
   int64_t begin, end;
