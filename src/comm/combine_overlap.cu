@@ -95,7 +95,12 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       }
       if (q == static_cast<int>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
       reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, pieces, piece));
-      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
+      // A partial this rank sums itself is read by this GPU only: a release at GPU scope, which does
+      // not wait for the warp's earlier stores to peers.
+      if (lane == 0) {
+        if (s == g.rank && a.local_release_gpu) red_release_gpu_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
+        else red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
+      }
     }
   } else {
     const int warps = (gridDim.x - reduce_blocks) * W;
@@ -157,27 +162,30 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
-  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums one block per SM
-  // (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token). One per SM, so that
-  // every SM holds two reduce blocks and one sum block: on 2 x H200 (2 ranks, K=8) 66 / 99 / 132 / 198
-  // sum blocks took 249 / 267 / 242 / 305 us at T=4096, H=7168; 153 / 156 / 146 / 170 us at H=4096,
-  // E=64; 94 / 93 / 84 / 107 us at T=1024; T=128 level.
+  // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums three blocks per
+  // four SMs (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token), one per SM
+  // at decode sizes. With partials claimed in halves (below), on 2 x H200 (2 ranks, K=8) 33 / 44 / 66
+  // / 99 / 132 sum blocks took 314 / 266 / 226 / 220 / 226 us at T=4096, H=7168 and 193 / 162 / 136 /
+  // 137 / 143 us at H=4096, E=64; 99 / 132 took 128 / 129 us at T=2048 and 404 / 418 us at T=8192.
+  // (By a fixed stride, one per SM had been best: 66 / 99 / 132 / 198 took 249 / 267 / 242 / 305 us,
+  // where 99 left some SMs a third reduce block and others none.)
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
   // Decode batches, where this rank's tokens times the ranks (a guess at the partials to make) leave
   // at least 4 pieces a partial on one reduce block per SM, take EPX_COMBINE_DECODE_REDUCE_PER_SM
   // (default 1). 2 x H200, T=128, H=7168: 1 / 2 / 3 reduce blocks per SM gave 19.7 / 20.9 / 20.7 us
   // and 19.9 / 20.6 / 20.6 (graph-timed 18.0 / 18.6 / 18.5); fewer warps, each a larger piece.
   static const int decode_per_sm = overlap_knob("EPX_COMBINE_DECODE_REDUCE_PER_SM", 1);
-  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", sms);
+  static const int sum_blocks = overlap_knob("EPX_COMBINE_SUM_BLOCKS", 0);  // 0: the defaults above
   // Under an SM budget (GroupConfig::num_sms): a quarter of it sums (EPX_COMBINE_BUDGET_SUM_PER_MILLE,
   // default 250), the rest reduces. Measured at 32 SMs, T=4096, H=7168, 2 ranks on 2 x H100: 250 /
   // 333 / 400 gave 599 / 664 / 682 us; 32-warp blocks instead of 24 (spilling) 664 us at 333 and
   // 763 at 250; on 4 x H200 16-warp blocks took 767 us against 615 with 24.
   const DeviceGroup& g = a.g;
   static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 250);
-  const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
-                                  : std::min(sum_blocks, cap - 1);
   const bool decode = g.sm_budget == 0 && static_cast<int64_t>(a.T) * g.R * 4 <= static_cast<int64_t>(sms) * W;
+  const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
+                                  : std::min(sum_blocks > 0 ? sum_blocks : decode ? sms : std::max(1, sms * 3 / 4),
+                                             cap - 1);
   const int reduce =
       std::min(budget_blocks(g, (decode ? decode_per_sm : per_sm) * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
@@ -185,18 +193,25 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   if (reduce < 1) return false;
   // Few rows: each partial and each sum over up to EPX_COMBINE_PIECES warps.
   static const int max_pieces = overlap_knob("EPX_COMBINE_PIECES", kMaxPieces);
-  // Partial items claimed one by one under an SM budget, by a fixed stride without one
-  // (EPX_COMBINE_ITEMS=claim|stride for both). 2 x H200, T=4096, H=7168: at 32 SMs claiming took 486
-  // against 524 us by stride (~11 items a warp); with every SM (~3 items a warp) 266 against 254.
-  const CombineItems order = combine_item_order(a.g.sm_budget > 0 ? CombineItems::kClaim : CombineItems::kStride);
-  // Each partial over at least EPX_COMBINE_MIN_PIECES warps (default 1), also where rows are many:
-  // smaller items even out the warps' shares of rows.
-  static const int min_pieces = overlap_knob("EPX_COMBINE_MIN_PIECES", 1);
+  // Partial items claimed one by one, by a fixed stride at decode sizes (EPX_COMBINE_ITEMS=stride|claim|
+  // rotate everywhere). Partials hold 0 to K rows, so a fixed share of them leaves some warps far more
+  // rows than others; claiming hands the next one to whichever warp is free. 2 x H200, T=4096, H=7168:
+  // at 32 SMs claiming took 486 against 524 us by stride (~11 items a warp); with every SM, one sum
+  // block per SM, 236 against 242 us, and with partials in halves (below) 226 against 239-242.
+  const CombineItems order =
+      combine_item_order(a.g.sm_budget > 0 || !decode ? CombineItems::kClaim : CombineItems::kStride);
+  // Each partial over at least EPX_COMBINE_MIN_PIECES warps (default 2), also where rows are many:
+  // smaller items even out the warps' shares of rows, but each piece ends with a system-scope release
+  // that waits for the warp's stores to land. 2 x H200, T=4096, H=7168, claimed, one sum block per
+  // SM: 1 / 2 / 3 / 4 pieces 236 / 225-227 / 231 / 249 us; H=4096, E=64: 142 / 142 / 151 / 166 us.
+  static const int min_pieces = overlap_knob("EPX_COMBINE_MIN_PIECES", 2);
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
   ra.min_pieces = min_pieces;
   ra.claim_items = order == CombineItems::kClaim;
   ra.rotate_items = order == CombineItems::kRotate;
+  static const bool local_gpu = ::epx::detail::env_choice("EPX_COMBINE_LOCAL_RELEASE", {"gpu", "sys"}) != 1;
+  ra.local_release_gpu = local_gpu;
   ra.inline_barrier = inline_barrier;
   cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W>, reduce + sum,
                               W * 32, 0, stream, ra, reduce);

@@ -24,7 +24,7 @@ const std::vector<std::string>& known_env_names() {
         // how the zero-copy kernels split their work
         "EPX_DISPATCH_SEND_BLOCKS", "EPX_DISPATCH_SEND_SHARE", "EPX_DISPATCH_EXPAND_PER_SM",
         "EPX_DISPATCH_EXPAND_PIECES", "EPX_DISPATCH_EXPAND_ITEMS", "EPX_COMBINE_MIN_PIECES",
-        "EPX_COMBINE_REDUCE_PER_SM", "EPX_COMBINE_DECODE_REDUCE_PER_SM",
+        "EPX_COMBINE_REDUCE_PER_SM", "EPX_COMBINE_DECODE_REDUCE_PER_SM", "EPX_COMBINE_LOCAL_RELEASE",
         "EPX_COMBINE_SUM_BLOCKS", "EPX_COMBINE_BUDGET_SUM_PER_MILLE", "EPX_COMBINE_PIECES",
     };
     std::sort(v.begin(), v.end());
