@@ -69,20 +69,15 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     const int warps = reduce_blocks * W;
     const int pieces = max(min(a.min_pieces, max_pieces_of(nvec)), pieces_for(slots, warps, nvec, a.max_pieces));
     const int span = R * kArrivalChunk;  // slots of one chunk index
-    // A warp's first item is its index w; in round k it takes item k x warps + w, or, with
-    // rotate_items, k x warps + (w + k) mod warps, or, with claim_items (under an SM budget), the
-    // next unclaimed item. Partials differ in their rows (0 to K on a rank) and in where they go (a
-    // chunk index's items are R chunks of kArrivalChunk slots, the peers' first, this rank's last),
-    // so a fixed stride that is a multiple of the span gives each warp partials of one destination
-    // only, and some warps far more rows than others. Rotating walks each warp through every
-    // position of the span; claiming hands the next item to whichever warp is free. Lane 0 claims
-    // the next item as it starts one, so the atomic's latency hides behind the work.
+    // A warp's first item is its index; each further one is its index plus the warps, or, with
+    // claim_items (the default outside decode sizes), the next unclaimed item. Partials differ in
+    // their rows (0 to K on a rank), so a fixed stride can leave some warps with far more rows than
+    // others; claiming hands the next item to whichever warp is free. Lane 0 claims the next item as
+    // it starts one, so the atomic's latency hides behind the work.
     const int items = maxc * span * pieces;
-    const int first = blockIdx.x * W + warp;
-    int claimed = 0, round = 0;
-    for (int q = first; q < items;
-         q = a.claim_items ? __shfl_sync(0xffffffffu, claimed, 0)
-                           : ++round * warps + (a.rotate_items ? (first + round) % warps : first)) {
+    int claimed = 0;
+    for (int q = blockIdx.x * W + warp; q < items;
+         q = a.claim_items ? __shfl_sync(0xffffffffu, claimed, 0) : q + warps) {
       if (a.claim_items && lane == 0) claimed = warps + static_cast<int>(atomicAdd(work_counter(g), 1u));
       const int item = q / pieces, piece = q % pieces;
       const int c = item / span, within = item % span;
@@ -95,12 +90,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       }
       if (q == static_cast<int>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
       reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, pieces, piece));
-      // A partial this rank sums itself is read by this GPU only: a release at GPU scope, which does
-      // not wait for the warp's earlier stores to peers.
-      if (lane == 0) {
-        if (s == g.rank && a.local_release_gpu) red_release_gpu_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
-        else red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
-      }
+      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
     }
   } else {
     const int warps = (gridDim.x - reduce_blocks) * W;
@@ -148,13 +138,11 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
   }
 }
 
-enum class CombineItems { kStride, kClaim, kRotate };
-
-// EPX_COMBINE_ITEMS=stride|claim|rotate (read once): how every combine's reduce warps take their
-// items; unset, the caller's default.
-CombineItems combine_item_order(CombineItems dflt) {
-  static const int env = ::epx::detail::env_choice("EPX_COMBINE_ITEMS", {"stride", "claim", "rotate"});
-  return env < 0 ? dflt : static_cast<CombineItems>(env);
+// EPX_COMBINE_ITEMS=stride|claim (read once): how every combine's reduce warps take their items;
+// unset, the caller's default.
+bool combine_items_claimed(bool default_claim) {
+  static const int env = ::epx::detail::env_choice("EPX_COMBINE_ITEMS", {"stride", "claim"});
+  return env < 0 ? default_claim : env == 1;
 }
 
 template <class T, int N, int W>
@@ -163,12 +151,14 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
   // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums three blocks per
-  // four SMs (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token), one per SM
-  // at decode sizes. With partials claimed in halves (below), on 2 x H200 (2 ranks, K=8) 33 / 44 / 66
-  // / 99 / 132 sum blocks took 314 / 266 / 226 / 220 / 226 us at T=4096, H=7168 and 193 / 162 / 136 /
-  // 137 / 143 us at H=4096, E=64; 99 / 132 took 128 / 129 us at T=2048 and 404 / 418 us at T=8192.
-  // (By a fixed stride, one per SM had been best: 66 / 99 / 132 / 198 took 249 / 267 / 242 / 305 us,
-  // where 99 left some SMs a third reduce block and others none.)
+  // four SMs (EPX_COMBINE_SUM_BLOCKS; they mostly wait, then stream R partials per token) where this
+  // rank's tokens are at least a block's warps per SM, else one per SM (fewer tokens than sum warps:
+  // each sum then splits over more warps). With partials claimed in halves (below), on 2 x H200 (2
+  // ranks, K=8) 33 / 44 / 66 / 99 / 132 sum blocks took 314 / 266 / 226 / 220 / 226 us at T=4096,
+  // H=7168 and 193 / 162 / 136 / 137 / 143 us at H=4096, E=64; 99 / 132 took 128 / 129 us at T=2048
+  // and 404 / 418 us at T=8192, 81 / 80 us at T=1024; at T=512 the 99 took 49 us against 46 with 132
+  // and stride. (By a fixed stride, one per SM had been best: 66 / 99 / 132 / 198 took 249 / 267 /
+  // 242 / 305 us, where 99 left some SMs a third reduce block and others none.)
   static const int per_sm = overlap_knob("EPX_COMBINE_REDUCE_PER_SM", 3);
   // Decode batches, where this rank's tokens times the ranks (a guess at the partials to make) leave
   // at least 4 pieces a partial on one reduce block per SM, take EPX_COMBINE_DECODE_REDUCE_PER_SM
@@ -183,9 +173,10 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   const DeviceGroup& g = a.g;
   static const int sum_share = overlap_knob("EPX_COMBINE_BUDGET_SUM_PER_MILLE", 250);
   const bool decode = g.sm_budget == 0 && static_cast<int64_t>(a.T) * g.R * 4 <= static_cast<int64_t>(sms) * W;
+  const bool many_tokens = static_cast<int64_t>(a.T) >= static_cast<int64_t>(sms) * W;
+  const int unbudgeted_sum = sum_blocks > 0 ? sum_blocks : many_tokens ? std::max(1, sms * 3 / 4) : sms;
   const int sum = g.sm_budget > 0 ? std::max(1, std::min(cap - 1, g.sm_budget * sum_share / 1000))
-                                  : std::min(sum_blocks > 0 ? sum_blocks : decode ? sms : std::max(1, sms * 3 / 4),
-                                             cap - 1);
+                                  : std::min(unbudgeted_sum, cap - 1);
   const int reduce =
       std::min(budget_blocks(g, (decode ? decode_per_sm : per_sm) * sms) - (g.sm_budget > 0 ? sum : 0), cap - sum);
   static const bool debug = std::getenv("EPX_DEBUG") != nullptr;
@@ -193,25 +184,23 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   if (reduce < 1) return false;
   // Few rows: each partial and each sum over up to EPX_COMBINE_PIECES warps.
   static const int max_pieces = overlap_knob("EPX_COMBINE_PIECES", kMaxPieces);
-  // Partial items claimed one by one, by a fixed stride at decode sizes (EPX_COMBINE_ITEMS=stride|claim|
-  // rotate everywhere). Partials hold 0 to K rows, so a fixed share of them leaves some warps far more
+  // Partial items claimed one by one, by a fixed stride at decode sizes (EPX_COMBINE_ITEMS=stride|claim
+  // everywhere). Partials hold 0 to K rows, so a fixed share of them leaves some warps far more
   // rows than others; claiming hands the next one to whichever warp is free. 2 x H200, T=4096, H=7168:
   // at 32 SMs claiming took 486 against 524 us by stride (~11 items a warp); with every SM, one sum
   // block per SM, 236 against 242 us, and with partials in halves (below) 226 against 239-242.
-  const CombineItems order =
-      combine_item_order(a.g.sm_budget > 0 || !decode ? CombineItems::kClaim : CombineItems::kStride);
-  // Each partial over at least EPX_COMBINE_MIN_PIECES warps (default 2), also where rows are many:
-  // smaller items even out the warps' shares of rows, but each piece ends with a system-scope release
-  // that waits for the warp's stores to land. 2 x H200, T=4096, H=7168, claimed, one sum block per
-  // SM: 1 / 2 / 3 / 4 pieces 236 / 225-227 / 231 / 249 us; H=4096, E=64: 142 / 142 / 151 / 166 us.
-  static const int min_pieces = overlap_knob("EPX_COMBINE_MIN_PIECES", 2);
+  const bool claim = combine_items_claimed(g.sm_budget > 0 || !decode);
+  // Without an SM budget each partial goes over at least two warps (EPX_COMBINE_MIN_PIECES, both
+  // modes), also where rows are many: smaller items even out the warps' shares of rows, but each
+  // piece ends with a system-scope release that waits for the warp's stores to land. 2 x H200,
+  // T=4096, H=7168, claimed, one sum block per SM: 1 / 2 / 3 / 4 pieces 236 / 225-227 / 231 / 249 us;
+  // H=4096, E=64: 142 / 142 / 151 / 166 us. Under a 32-SM budget (~11 partials a warp) two took 496
+  // against 474 us.
+  static const int min_pieces = overlap_knob("EPX_COMBINE_MIN_PIECES", 0);  // 0: the defaults above
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
-  ra.min_pieces = min_pieces;
-  ra.claim_items = order == CombineItems::kClaim;
-  ra.rotate_items = order == CombineItems::kRotate;
-  static const bool local_gpu = ::epx::detail::env_choice("EPX_COMBINE_LOCAL_RELEASE", {"gpu", "sys"}) != 1;
-  ra.local_release_gpu = local_gpu;
+  ra.min_pieces = min_pieces > 0 ? min_pieces : g.sm_budget > 0 ? 1 : 2;
+  ra.claim_items = claim;
   ra.inline_barrier = inline_barrier;
   cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W>, reduce + sum,
                               W * 32, 0, stream, ra, reduce);

@@ -36,16 +36,6 @@ namespace {
 EPX_TIMELINE_BUFFER()
 
 
-// How the expand blocks take their work:
-//  - kCrewChunks: crews of kArrivalChunk warps take whole chunks (a warp per slot), one crew waiting
-//    for the chunk and consuming its arrivals;
-//  - kCrewPieces: the same, a chunk's rows split by vector ranges over several crews (decode); the
-//    last block of the grid zeroes the counters;
-//  - kWarpSlots: every warp takes single slots, waiting for their chunk itself, no barrier between the
-//    warps of a crew (a crew otherwise waits at each chunk for its warp with the most expert rows);
-//    the last block of the grid zeroes the counters.
-enum ExpandMode { kCrewChunks, kCrewPieces, kWarpSlots };
-
 struct OverlapArgs {
   SendArgs send;
   ExpandArgs expand;
@@ -163,50 +153,6 @@ __device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t 
   __syncwarp();
 }
 
-// Every expand warp takes single slots: items (chunk c, source s, slot i of the chunk) chunk-major,
-// remote sources first, as the crews' chunks; round k's items are shifted by k warps, so a warp's
-// items go through every source and every position of a chunk.
-template <class V, int W>
-__device__ void expand_slots_role(const OverlapArgs& oa, int xb_block, int xn_blocks, int warp, int lane) {
-  __shared__ int32_t rows_s[W][kMaxK];
-  const ExpandArgs& a = oa.expand;
-  const SendArgs& sa = oa.send;
-  const DeviceGroup& g = a.g;
-  const int R = g.R;
-  const int32_t total_rows = a.offsets[g.Le];
-  const bool write = static_cast<int64_t>(total_rows) <= g.recv_capacity;  // overflow: consume, write nothing
-  const int first = xb_block * W + warp, warps = xn_blocks * W;
-  if (write)
-    for (int j = first; j < g.Le; j += warps) zero_padding_rows<V>(a, j, lane);
-  int maxc = arrival_chunks(sa.T);
-  for (int s = 0; s < R; ++s)
-    if (s != g.rank) maxc = max(maxc, arrival_chunks(a.recv_tokens[s]));
-  const int64_t items = static_cast<int64_t>(maxc) * R * kArrivalChunk;
-  int64_t round = 0;
-  for (int64_t it = first; it < items; it = ++round * warps + (first + round) % warps) {
-    const int i = static_cast<int>(it % kArrivalChunk);
-    const int64_t item = it / kArrivalChunk;
-    const int c = static_cast<int>(item / R);
-    const int s = (g.rank + 1 + static_cast<int>(item % R)) % R;
-    const bool local = s == g.rank;
-    const int count = local ? sa.T : a.recv_tokens[s];
-    const int slot = c * kArrivalChunk + i;
-    if (slot >= count) continue;  // warp-uniform
-    if (!local) {
-      int ok = 1;
-      if (lane == 0) ok = wait_arrivals(g, s, c, static_cast<uint32_t>(min(kArrivalChunk, count - c * kArrivalChunk)),
-                                        kOpDispatch);
-      ok = __shfl_sync(0xffffffffu, ok, 0);  // lane 0's acquire before every lane's reads
-      if (!ok) continue;
-    }
-    if (it == first) EPX_STAMP(kTlFirst);
-    if (!write) continue;
-    const VecRange r{0, a.row_bytes / static_cast<int64_t>(sizeof(V))};
-    if (local) expand_own_token<V>(oa, slot, lane, rows_s[warp], r, true);
-    else expand_received_slot<V>(a, s, slot, lane, rows_s[warp], true, r, true);
-  }
-}
-
 // kShared: chunks may be split over several blocks (OverlapArgs::expand_pieces > 1), a kernel of its
 // own so that the default one keeps its registers.
 template <class V, int W, bool kShared>
@@ -265,12 +211,11 @@ __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, 
 
 // W warps per block (kWarps, or kBudgetDispatchWarps under an SM budget). kWarps blocks are held
 // to three per SM's registers (85; the kernel needs 80), so the launcher's resident cap keeps room
-// for 64 senders and two expand blocks per SM; the kCrewPieces variant (decode) to two, for the
+// for 64 senders and two expand blocks per SM; the kShared variant (decode) to two, for the
 // registers its row pieces need.
-template <class V, int W, ExpandMode kMode>
-__global__ void __launch_bounds__(W * 32, W == kWarps ? (kMode == kCrewPieces ? 2 : 3) : 1)
+template <class V, int W, bool kShared>
+__global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
     dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
-  constexpr bool kShared = kMode != kCrewChunks;  // counters zeroed by the last block, not consumed
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const DeviceGroup& g = a.send.g;
   cuda::wait_for_previous_grid();
@@ -279,10 +224,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kMode == kCrewPieces ? 
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
   EPX_STAMP(kTlBarrier);
   if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane, next);
-  else if constexpr (kMode == kWarpSlots)
-    expand_slots_role<V, W>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
-  else
-    expand_role<V, W, kMode == kCrewPieces>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
+  else expand_role<V, W, kShared>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
   EPX_STAMP(kTlRoleDone);
   cuda::allow_next_grid();
 #ifdef EPX_EP_TIMELINE
@@ -308,13 +250,6 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kMode == kCrewPieces ? 
   }
 }
 
-// EPX_DISPATCH_EXPAND_ITEMS=chunks|slots (read once): expand crews taking whole chunks, or every
-// warp single slots (kWarpSlots).
-bool expand_items_by_slot() {
-  static const bool on = ::epx::detail::env_choice("EPX_DISPATCH_EXPAND_ITEMS", {"chunks", "slots"}) == 1;
-  return on;
-}
-
 // Expand blocks per SM without a budget (EPX_DISPATCH_EXPAND_PER_SM, default 2; read once).
 // Measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per SM gave 255, 266, 275 us; with
 // 64 senders 1 and 2 gave 228 and 220-222 us.
@@ -323,11 +258,11 @@ int expand_per_sm() {
   return n;
 }
 
-template <class V, int W, ExpandMode kMode>
+template <class V, int W, bool kShared>
 bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inline_barrier, int expand_pieces,
                             cudaStream_t stream) {
   const DeviceGroup& g = sa.g;
-  const int cap = resident_blocks<dispatch_overlap_kernel<V, W, kMode>>(W * 32);
+  const int cap = resident_blocks<dispatch_overlap_kernel<V, W, kShared>>(W * 32);
   // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
   // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
   // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
@@ -351,7 +286,7 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
        cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
   OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier};
-  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kMode>,
+  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared>,
                               send + expand, W * 32, 0, stream, a);
   return true;
 }
@@ -368,15 +303,11 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
   const int64_t expand_warps =
       static_cast<int64_t>(g.sm_budget > 0 ? g.sm_budget : expand_per_sm() * cuda::sm_count()) * W;
   const int pieces = static_cast<int64_t>(sa.T) * g.R * 2 <= expand_warps ? cap : 1;
-  static const bool slots = expand_items_by_slot();
-  if (vec) {
-    if (pieces > 1) return launch_dispatch_kernel<uint4, W, kCrewPieces>(sa, ea, inline_barrier, pieces, stream);
-    return slots ? launch_dispatch_kernel<uint4, W, kWarpSlots>(sa, ea, inline_barrier, 1, stream)
-                 : launch_dispatch_kernel<uint4, W, kCrewChunks>(sa, ea, inline_barrier, 1, stream);
-  }
-  if (pieces > 1) return launch_dispatch_kernel<uint8_t, W, kCrewPieces>(sa, ea, inline_barrier, pieces, stream);
-  return slots ? launch_dispatch_kernel<uint8_t, W, kWarpSlots>(sa, ea, inline_barrier, 1, stream)
-               : launch_dispatch_kernel<uint8_t, W, kCrewChunks>(sa, ea, inline_barrier, 1, stream);
+  if (vec)
+    return pieces > 1 ? launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream)
+                      : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);
+  return pieces > 1 ? launch_dispatch_kernel<uint8_t, W, true>(sa, ea, inline_barrier, pieces, stream)
+                    : launch_dispatch_kernel<uint8_t, W, false>(sa, ea, inline_barrier, 1, stream);
 }
 
 }  // namespace

@@ -40,12 +40,6 @@ __device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// The same for a counter on this GPU read by this GPU only: a release at GPU scope waits for this
-// thread's earlier stores to reach this GPU's L2, not for stores in flight to peers.
-__device__ __forceinline__ void red_release_gpu_add(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 // Arrival counter of chunk c of the slots source `src` writes into rank `dst`'s window.
 __device__ __forceinline__ uint32_t* arrival(const DeviceGroup& g, int dst, int src, int c) {
   char* base = dst == g.rank ? reinterpret_cast<char*>(g.my_inbox) : reinterpret_cast<char*>(g.peer_inbox[dst]);
@@ -191,8 +185,6 @@ struct ReduceArgs {
   int max_pieces = 1;            // the overlapped combine: warps a row may be split over
   int min_pieces = 1;            // the overlapped combine: warps each partial is split over at least
   bool claim_items = false;      // the overlapped combine: partial items claimed from work_counter
-  bool rotate_items = false;     // the overlapped combine: round k's items shifted by k warps (below)
-  bool local_release_gpu = false;  // the overlapped combine: this rank's own partials released at GPU scope
   bool inline_barrier = false;   // the overlapped combine: the op's opening barrier is in its launch
 };
 
