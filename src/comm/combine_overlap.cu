@@ -7,6 +7,7 @@
 //    as the phased kernel: reduce_partial), writes it into the source's window, then bumps the
 //    source's arrival counter of that slot's chunk with a system-scope release. Slots go chunk
 //    index first, remote sources before this rank, so partials cross the link from the start;
+//    outside decode sizes each warp claims its next partial from a counter as it starts one;
 //  - a sum warp takes one of this rank's tokens, waits (acquire, with the group's timeout) until the
 //    chunk holding each of its slots is complete on every rank it went to, then sums the partials
 //    in rank order (sum_partials, past L1);
@@ -15,8 +16,9 @@
 //    which every peer has finished bumping by then (each was waited for). The next op's
 //    before-write barrier orders the reset before any new arrival.
 //  - with fewer rows than warps (decode), each partial and each sum is split over up to kMaxPieces
-//    warps by ranges of its vectors (piece_range); each piece of a partial adds its share of the
-//    slot's kArrivalUnit, so the receiving side does not know the split;
+//    warps by ranges of its vectors (piece_range), and without an SM budget each partial over at
+//    least two; each piece of a partial adds its share of the slot's kArrivalUnit, so the receiving
+//    side does not know the split;
 // Ranks wait on each other's reduce warps, so the whole grid must be resident (capped by the
 // occupancy). Results are bit-identical to the phased path: same partials, same order of sums.
 #include <cuda_bf16.h>
