@@ -42,61 +42,15 @@ struct OverlapArgs {
   int send_blocks;
   int expand_pieces;    // > 1: a chunk's rows may be split over up to this many expand blocks (below)
   bool inline_barrier;  // the op's opening barrier is in this launch (inline_barrier_begin)
-  bool own_by_senders;  // the senders expand this rank's own tokens too (below), the expand crews skip them
 };
 
-// Token t of this rank, routed here (its slot to itself): its expert rows here into rows_s (-1 for
-// none), and (lead) recv_row and the weights, as for a received slot. Returns the slot.
-__device__ __forceinline__ int32_t own_token_rows(const OverlapArgs& oa, int64_t t, int lane, int32_t* rows_s,
-                                                  bool lead) {
-  const ExpandArgs& a = oa.expand;
-  const SendArgs& sa = oa.send;
-  const DeviceGroup& g = a.g;
-  const int K = a.K, me = g.rank;
-  const int32_t slot = sa.token_slot[t * g.R + me];
-  if (slot < 0) return slot;  // warp-uniform
-  int32_t row = -1;
-  if (lane < K) {
-    const int32_t e = sa.routed[t * K + lane];
-    if (e >= 0 && e / g.Le == me) {
-      row = a.segment_starts[(e % g.Le) * g.R + me] + sa.pair_pos[t * K + lane];
-      if (a.out_weights && lead) a.out_weights[row] = sa.weights ? sa.weights[t * K + lane] : 0.0f;
-    }
-    if (lead) a.recv_row[(static_cast<int64_t>(me) * g.max_tokens + slot) * K + lane] = row;
-  }
-  rows_s[lane] = lane < K ? row : -1;
-  __syncwarp();
-  return slot;
-}
-
-// Token t of this rank, routed here (its slot to itself), expanded straight from x: the same meta
-// and expert rows as a received slot, without the trip through the window. Vectors r of the row; the
-// piece that starts it (lead) also writes recv_row, the weights and the scales.
-template <class V>
-__device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t t, int lane, int32_t* rows_s,
-                                                 VecRange r, bool lead) {
-  const ExpandArgs& a = oa.expand;
-  const SendArgs& sa = oa.send;
-  const int K = a.K;
-  if (own_token_rows(oa, t, lane, rows_s, lead) < 0) return;  // warp-uniform
-  copy_fanout<V>(sa.rows + t * sa.row_bytes, a.out, a.row_bytes, rows_s, K, lane, false, r);
-  if (a.scale_bytes && lead)
-    copy_fanout_short(sa.scales + t * sa.scale_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, false);
-  __syncwarp();
-}
-
 // Senders: the phased send kernel's loop over tokens, remote destinations only, plus the arrival.
-// With own_by_senders a sender also writes its token into this rank's own expert rows from the row it
-// loaded for the peers: x is then read once instead of twice (once to send, once to expand).
 template <class V, int W>
 __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t next) {
   __shared__ int32_t slot_s[W][kMaxR];
-  __shared__ int32_t own_s[W][kMaxK];
   const SendArgs& a = oa.send;
   const DeviceGroup& g = a.g;
   const int64_t nw = static_cast<int64_t>(oa.send_blocks) * W;
-  // Overflow (more rows than the receive capacity): nothing is expanded, as in expand_role.
-  const bool own = oa.own_by_senders && static_cast<int64_t>(oa.expand.offsets[g.Le]) <= g.recv_capacity;
   uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     bool any = false;
@@ -106,12 +60,7 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t ne
       any = any || sl >= 0;
     }
     __syncwarp();
-    if (!any) {  // routed to this rank only
-      if (own)
-        expand_own_token<V>(oa, t, lane, own_s[warp], VecRange{0, a.row_bytes / static_cast<int64_t>(sizeof(V))}, true);
-      continue;
-    }
-    const bool mine = own && own_token_rows(oa, t, lane, own_s[warp], true) >= 0;
+    if (!any) continue;
     if (oa.inline_barrier) {
       if (lane == 0)
         for (int d = 0; d < g.R; ++d)
@@ -119,11 +68,7 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t ne
       __syncwarp();  // lane 0's acquire before every lane's stores
     }
     if (t == static_cast<int64_t>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
-    if (mine)
-      send_token<V, true>(a, t, lane, slot_s[warp],
-                          OwnRows{own_s[warp], a.K, oa.expand.out, oa.expand.out_scales});
-    else
-      send_token<V>(a, t, lane, slot_s[warp]);
+    send_token<V>(a, t, lane, slot_s[warp]);
     // Every lane's stores of this token are ordered before lane 0's release (send_token ends with a
     // warp barrier).
     if (lane == 0) {
@@ -179,6 +124,35 @@ __device__ bool await_chunk(const DeviceGroup& g, int s, int c, uint32_t n, bool
   return ok_s[crew][word] != 0;
 }
 
+// Token t of this rank, routed here (its slot to itself), expanded straight from x: the same meta
+// and expert rows as a received slot, without the trip through the window. Vectors r of the row; the
+// piece that starts it (lead) also writes recv_row, the weights and the scales.
+template <class V>
+__device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t t, int lane, int32_t* rows_s,
+                                                 VecRange r, bool lead) {
+  const ExpandArgs& a = oa.expand;
+  const SendArgs& sa = oa.send;
+  const DeviceGroup& g = a.g;
+  const int K = a.K, me = g.rank;
+  const int32_t slot = sa.token_slot[t * g.R + me];
+  if (slot < 0) return;  // warp-uniform
+  int32_t row = -1;
+  if (lane < K) {
+    const int32_t e = sa.routed[t * K + lane];
+    if (e >= 0 && e / g.Le == me) {
+      row = a.segment_starts[(e % g.Le) * g.R + me] + sa.pair_pos[t * K + lane];
+      if (a.out_weights && lead) a.out_weights[row] = sa.weights ? sa.weights[t * K + lane] : 0.0f;
+    }
+    if (lead) a.recv_row[(static_cast<int64_t>(me) * g.max_tokens + slot) * K + lane] = row;
+  }
+  rows_s[lane] = lane < K ? row : -1;
+  __syncwarp();
+  copy_fanout<V>(sa.rows + t * sa.row_bytes, a.out, a.row_bytes, rows_s, K, lane, false, r);
+  if (a.scale_bytes && lead)
+    copy_fanout_short(sa.scales + t * sa.scale_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, false);
+  __syncwarp();
+}
+
 // kShared: chunks may be split over several blocks (OverlapArgs::expand_pieces > 1), a kernel of its
 // own so that the default one keeps its registers.
 template <class V, int W, bool kShared>
@@ -220,7 +194,6 @@ __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, 
     const int c = static_cast<int>(item / R);
     const int s = (g.rank + 1 + static_cast<int>(item % R)) % R;
     const bool local = s == g.rank;
-    if (local && oa.own_by_senders) continue;  // crew-uniform: the senders expanded this rank's tokens
     const int count = local ? sa.T : a.recv_tokens[s];
     const int first = c * kArrivalChunk;
     if (first >= count) continue;  // block-uniform
@@ -277,14 +250,6 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   }
 }
 
-// EPX_DISPATCH_OWN=expand|senders (read once): who writes this rank's own tokens into its expert rows
-// (outside decode sizes): the expand crews, reading x again, or the senders, from the row they load
-// for the peers.
-bool own_rows_by_senders() {
-  static const bool on = ::epx::detail::env_choice("EPX_DISPATCH_OWN", {"expand", "senders"}) == 1;
-  return on;
-}
-
 // Expand blocks per SM without a budget (EPX_DISPATCH_EXPAND_PER_SM, default 2; read once).
 // Measured at T=4096, H=7168 on 2 x H200: with 32 senders 1, 2, 3 per SM gave 255, 266, 275 us; with
 // 64 senders 1 and 2 gave 228 and 220-222 us.
@@ -320,7 +285,7 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
       {(items + crews - 1) / crews, budget_blocks(g, per_sm * cuda::sm_count()) - (g.sm_budget > 0 ? send : 0),
        cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
-  OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier, !kShared && own_rows_by_senders()};
+  OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier};
   cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared>,
                               send + expand, W * 32, 0, stream, a);
   return true;

@@ -275,22 +275,11 @@ __device__ __forceinline__ void copy_short(char* dst, const char* src, int64_t b
   else copy_short_vec<uint8_t>(dst, src, bytes, lane);
 }
 
-// Where a sender also expands its token into this rank's own expert rows (the overlapped dispatch's
-// own_by_senders): the rows (rows[0..K), -1 for none) and the expert-major output.
-struct OwnRows {
-  const int32_t* rows;
-  int K;
-  char* out;
-  char* out_scales;  // or null
-};
-
 // Token t's row, its scales and (with_meta) its routing meta into the mailbox slot of every
-// destination with slots[d] >= 0 (one warp; the row is loaded once for all of them), and with kOwn
-// into this rank's expert rows own.rows too. Ends with a warp barrier, so every lane's stores are
-// ordered before what lane 0 does next.
-template <class V, bool kOwn = false>
-__device__ __forceinline__ void send_token(const SendArgs& a, int64_t t, int lane, const int32_t* slots,
-                                           const OwnRows& own = {}) {
+// destination with slots[d] >= 0 (one warp; the row is loaded once for all of them). Ends with a
+// warp barrier, so every lane's stores are ordered before what lane 0 does next.
+template <class V>
+__device__ __forceinline__ void send_token(const SendArgs& a, int64_t t, int lane, const int32_t* slots) {
   const DeviceGroup& g = a.g;
   const V* src = reinterpret_cast<const V*>(a.rows + t * a.row_bytes);
   const int64_t n = a.row_bytes / static_cast<int64_t>(sizeof(V));
@@ -309,20 +298,6 @@ __device__ __forceinline__ void send_token(const SendArgs& a, int64_t t, int lan
       for (int u = 0; u < kSendUnroll; ++u)
         if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
     }
-    if constexpr (kOwn) {
-      for (int k = 0; k < own.K; ++k) {
-        const int32_t r = own.rows[k];
-        if (r < 0) continue;
-        V* dst = reinterpret_cast<V*>(own.out + r * a.row_bytes);
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u)
-          if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
-      }
-    }
-  }
-  if constexpr (kOwn) {
-    if (a.scale_bytes && own.out_scales)
-      copy_fanout_short(a.scales + t * a.scale_bytes, own.out_scales, a.scale_bytes, own.rows, own.K, lane, false);
   }
   for (int d = 0; d < g.R; ++d) {
     const int32_t sl = slots[d];
