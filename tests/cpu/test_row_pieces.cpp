@@ -17,7 +17,9 @@ TEST(RowPieces, PiecesOfARowCoverItOnceInOrder) {
         const VecRange r = piece_range(nvec, pieces, piece);
         ASSERT_EQ(r.begin, next) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
         ASSERT_LE(r.begin, r.end) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
-        if (r.begin < nvec) ASSERT_EQ(r.begin % 32, 0) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
+        if (r.begin < nvec) {
+          ASSERT_EQ(r.begin % 32, 0) << "nvec " << nvec << " pieces " << pieces << " piece " << piece;
+        }
         next = r.end;
       }
       ASSERT_EQ(next, nvec) << "nvec " << nvec << " pieces " << pieces;
@@ -42,6 +44,28 @@ TEST(RowPieces, PieceCountFollowsTheIdleWarps) {
   EXPECT_EQ(pieces_for(1, 3168, 64, kMaxPieces), 2);
   EXPECT_EQ(pieces_for(0, 3168, 896, kMaxPieces), 1);     // nothing to do
   EXPECT_EQ(pieces_for(5, 0, 896, kMaxPieces), 1);
+}
+
+TEST(RowPieces, AtMostEightPiecesAndNoneUnderAWarpOfVectors) {
+  // The combine's floor on pieces (EPX_COMBINE_MIN_PIECES) is clamped to this, so a short row is
+  // never split into pieces with idle lanes.
+  EXPECT_EQ(max_pieces_of(896), kMaxPieces);  // H = 7168, bf16
+  EXPECT_EQ(max_pieces_of(512), kMaxPieces);  // H = 4096, bf16
+  EXPECT_EQ(max_pieces_of(64), 2);
+  EXPECT_EQ(max_pieces_of(63), 1);
+  EXPECT_EQ(max_pieces_of(32), 1);
+  EXPECT_EQ(max_pieces_of(12), 1);
+  EXPECT_EQ(max_pieces_of(0), 1);
+  for (int64_t nvec = 0; nvec <= 2100; ++nvec) {
+    const int p = max_pieces_of(nvec);
+    ASSERT_GE(p, 1) << nvec;
+    ASSERT_LE(p, kMaxPieces) << nvec;
+    if (p > 1) {
+      ASSERT_GE(nvec / p, 32) << nvec;  // every piece at least one vector per lane
+    }
+    // pieces_for never goes past it, whatever the idle warps
+    ASSERT_LE(pieces_for(1, 1 << 20, nvec, kMaxPieces), p) << nvec;
+  }
 }
 
 TEST(RowPieces, EveryPieceCountDividesTheArrivalUnit) {
