@@ -349,10 +349,17 @@ int main(int argc, char** argv) {
     }
     if (!ok) return 2;
   }
-  const bool launched = tools::started_by_launcher();
+  bool launched = false;
+  int ranks = 0;
+  try {  // the launcher's variables: torchrun's, mpirun's, srun's (a bad value names the variable)
+    launched = tools::started_by_launcher();
+    ranks = launched ? tools::launcher_world_size() : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_ep: %s\n", e.what());
+    return 2;
+  }
   const int gpus = detail::cuda_device_count();
-  int ranks = gpus;
-  if (launched && !number("WORLD_SIZE", std::getenv("WORLD_SIZE"), ranks)) return 2;
+  if (!launched) ranks = gpus;
   if (ranks < 2) {
     std::fprintf(stderr, "bench_ep: needs 2 ranks, %d %s: skipped\n", ranks, launched ? "launched" : "GPUs visible");
     return 0;

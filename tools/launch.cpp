@@ -11,19 +11,21 @@
 #include <thread>
 #include <vector>
 
-#include "core/env_choice.h"
+#include "core/launcher_env.h"
 #include "epx/error.h"
 
 namespace epx::tools {
 
-bool started_by_launcher() { return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr; }
+bool started_by_launcher() { return detail::launcher_env("epx launcher").launched; }
 
 int launcher_rank() {
-  const char* r = std::getenv("RANK");
-  if (r == nullptr || *r == '\0') return 0;
-  int rank = 0;
-  require(detail::parse_int(r, rank) && rank >= 0, "epx launcher", "RANK is \"", r, "\", expected a whole number >= 0");
-  return rank;
+  const detail::LauncherEnv e = detail::launcher_env("epx launcher");
+  return e.launched ? e.rank : 0;
+}
+
+int launcher_world_size() {
+  const detail::LauncherEnv e = detail::launcher_env("epx launcher");
+  return e.launched ? e.world : 1;
 }
 
 int run_local_ranks(int ranks, const std::vector<std::string>& args, int grace_s) {

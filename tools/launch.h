@@ -8,10 +8,13 @@
 
 namespace epx::tools {
 
-/// True when this process was started by a launcher (RANK and WORLD_SIZE are set).
+/// True when this process was started by a launcher: torchrun (RANK and WORLD_SIZE), mpirun
+/// (OMPI_COMM_WORLD_*), srun (SLURM_PROCID and SLURM_NTASKS) or a PMI launcher (core/launcher_env.h).
 bool started_by_launcher();
 /// Rank 0 prints; the others stay quiet (0 when no launcher started us).
 int launcher_rank();
+/// The ranks the launcher started (1 when none did).
+int launcher_world_size();
 
 /// Starts `ranks` copies of this executable with `args` (RANK, WORLD_SIZE, LOCAL_RANK and a fresh
 /// EPX_NCCL_ID_FILE set), waits for all of them and returns the worst exit code. If one rank

@@ -40,6 +40,7 @@
 #include "core/device_memory.h"
 #include "core/env_choice.h"
 #include "core/ep_state.h"
+#include "core/launcher_env.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/layout/layout.h"
 #include "epx/error.h"
@@ -634,20 +635,6 @@ std::unique_ptr<GroupState> single_rank_state(ncclComm_t c, bool owns_comm, int 
 }
 
 
-// The first of `names` that is set (and not empty) as a whole number, or `fallback` where none is.
-// A value that is not one is an error naming the variable: read as 0 it would make this process
-// another rank 0.
-int env_int(const char* fn, std::initializer_list<const char*> names, int fallback) {
-  for (const char* n : names) {
-    const char* v = std::getenv(n);
-    if (v == nullptr || *v == '\0') continue;
-    int x = 0;
-    require(detail::parse_int(v, x), fn, n, " is \"", v, "\", expected a whole number");
-    return x;
-  }
-  return fallback;
-}
-
 std::string hex(const ncclUniqueId& id) {
   static const char* digits = "0123456789abcdef";
   std::string s;
@@ -732,15 +719,14 @@ Group Group::create_from_env(const GroupConfig& config) {
   static std::atomic<int> groups_from_env{0};
   const int serial = groups_from_env.fetch_add(1);
   const Transport requested = requested_transport(config, fn);
-  const int rank = comm::env_int(fn, {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"}, -1);
-  const int world = comm::env_int(fn, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE"}, -1);
-  const int local =
-      comm::env_int(fn, {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}, 0);
-  require(rank >= 0 && world >= 1 && rank < world, fn, "RANK is ", rank, " and WORLD_SIZE is ", world,
-          ", expected 0 <= RANK < WORLD_SIZE (set them, or OMPI_COMM_WORLD_* / SLURM_* equivalents)");
+  const detail::LauncherEnv le = detail::launcher_env(fn);
+  require(le.launched, fn, "no launcher variables are set: RANK and WORLD_SIZE (and LOCAL_RANK), or Open MPI's ",
+          "OMPI_COMM_WORLD_*, Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, PMI_RANK / PMI_SIZE");
+  const int rank = le.rank, world = le.world, local = le.local_rank;
   config.validate(fn, world);
   const int n = detail::cuda_device_count();
-  require(local >= 0 && local < n, fn, "LOCAL_RANK is ", local, " but ", n, " CUDA device(s) are visible");
+  require(local < n, fn, le.local_name.empty() ? std::string("the local rank (no LOCAL_RANK set)") : le.local_name,
+          " is ", local, " but ", n, " CUDA device(s) are visible");
   EPX_CUDA_CHECK(cudaSetDevice(local));
   ncclUniqueId id{};
   const char* env_id = std::getenv("EPX_NCCL_ID");
