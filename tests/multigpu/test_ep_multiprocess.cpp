@@ -19,6 +19,7 @@
 
 #include "gpu/ep_compare.h"
 #include "common/ep_procedures.h"
+#include "tools/launch.h"
 
 namespace epx {
 namespace {
@@ -26,12 +27,14 @@ namespace {
 using testing::EpCase;
 using testing::EpOutputs;
 
-bool launched() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
-int world_size() { return launched() ? std::atoi(std::getenv("WORLD_SIZE")) : 0; }
+// The launcher's variables as the library reads them (torchrun's, mpirun's, srun's).
+bool launched() { return tools::started_by_launcher(); }
+int world_size() { return launched() ? tools::launcher_world_size() : 0; }
 
-#define EPX_REQUIRE_LAUNCHER()                                                                          \
-  do {                                                                                                  \
-    if (!launched()) GTEST_SKIP() << "not started by a launcher (RANK/WORLD_SIZE unset): use scripts/run_ranks.sh"; \
+#define EPX_REQUIRE_LAUNCHER()                                                                  \
+  do {                                                                                          \
+    if (!launched()) GTEST_SKIP() << "not started by a launcher (no RANK / WORLD_SIZE or an "   \
+                                     "mpirun / srun equivalent): use scripts/run_ranks.sh";      \
   } while (0)
 
 const auto no_sync = [] {};
@@ -188,13 +191,13 @@ TEST(EpMultiProcessCreation, RanksThatDisagreeOnTheTransportAllFail) {
   c.ranks = world_size();
   c.E = 8 * c.ranks;
   GroupConfig cfg = c.group_config();
-  cfg.transport = std::atoi(std::getenv("RANK")) == 0 ? Transport::kZeroCopy : Transport::kStaged;
+  cfg.transport = tools::launcher_rank() == 0 ? Transport::kZeroCopy : Transport::kStaged;
   try {
     Group g = Group::create_from_env(cfg);
     ADD_FAILURE() << "created a group although the ranks asked for different transports";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("transport"), std::string::npos) << e.what();
-    std::printf("[rank %s] %s\n", std::getenv("RANK"), e.what());
+    std::printf("[rank %d] %s\n", tools::launcher_rank(), e.what());
   }
 }
 
