@@ -108,7 +108,9 @@ class Group {
   /// Borrows an existing NCCL communicator (an ncclComm_t, e.g. PyTorch's): collective over its
   /// ranks. The communicator must outlive the group.
   static Group from_nccl(void* nccl_comm, const GroupConfig& config);
-  /// One process per GPU: RANK / WORLD_SIZE / LOCAL_RANK (or OMPI_COMM_WORLD_*, SLURM_*) and the
+  /// One process per GPU: RANK / WORLD_SIZE / LOCAL_RANK, or the first complete set of Open MPI's
+  /// OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK, Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID
+  /// and PMI_RANK / PMI_SIZE / MPI_LOCALRANKID (RANK without WORLD_SIZE is an error), and the
   /// NCCL id from EPX_NCCL_ID (hex) or EPX_NCCL_ID_FILE (rank 0 writes it, the others read it).
   /// Several groups per process: every rank creates them in the same order, and the k-th (k >= 1)
   /// takes its id from "<EPX_NCCL_ID_FILE>.<k>" (EPX_NCCL_ID serves one group only).
