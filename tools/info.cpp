@@ -7,6 +7,7 @@
 
 #include "core/device_memory.h"
 #include "core/env_names.h"
+#include "core/launcher_env.h"
 #include "core/version.h"
 #include "epx/comm.h"
 #include "epx/presets.h"
@@ -32,6 +33,41 @@ int print_help(FILE* out) {
                "  help   this text\n");
   return 0;
 }
+
+namespace {
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out + "\"";
+}
+
+// Where a launcher put this process, as Group::create_from_env and `epx demo` / `epx bench` read it
+// (a job that hangs at group creation often has two processes claiming one rank); printed, and
+// returned as a JSON object.
+std::string print_launcher() {
+  try {
+    const detail::LauncherEnv e = detail::launcher_env("epx info");
+    if (!e.launched) {
+      std::printf("  launcher: none (no RANK / WORLD_SIZE, nor mpirun's, srun's or PMI's): epx demo and epx bench "
+                  "start one process per local GPU themselves\n");
+      return "{\"launched\":false}";
+    }
+    const std::string local = e.local_name.empty() ? "unset, 0" : e.local_name;
+    std::printf("  launcher: rank %d of %d (%s / %s), local rank %d (%s)\n", e.rank, e.world, e.rank_name.c_str(),
+                e.world_name.c_str(), e.local_rank, local.c_str());
+    return "{\"launched\":true,\"rank\":" + std::to_string(e.rank) + ",\"world\":" + std::to_string(e.world) +
+           ",\"local_rank\":" + std::to_string(e.local_rank) + ",\"from\":" + json_string(e.rank_name) + "}";
+  } catch (const Error& e) {
+    std::printf("  launcher: %s\n", e.what());
+    return "{\"launched\":false,\"error\":" + json_string(e.what()) + "}";
+  }
+}
+
+}  // namespace
 
 int run_info(const std::vector<std::string>& args) {
   const Args a("epx info", args, {"preset", "ranks", "tokens", "dtype"});
@@ -77,11 +113,13 @@ int run_info(const std::vector<std::string>& args) {
     std::printf("  %s is set, but epx reads no variable of that name (a misspelling?)\n", name.c_str());
     unknown_json += (unknown_json.empty() ? "\"" : ",\"") + name + "\"";
   }
+  const std::string launcher_json = print_launcher();
   std::printf("{\"version\":\"%s\",\"cuda_backend\":%s,\"devices\":%zu,\"ep_preset\":\"%s\",\"ep_ranks\":%d,"
               "\"ep_tokens\":%lld,\"ep_rows\":\"%s\",\"registered_bytes_zero_copy\":%zu,\"registered_bytes_staged\":%zu,"
-              "\"env_set\":[%s],\"env_unknown\":[%s]}\n",
+              "\"env_set\":[%s],\"env_unknown\":[%s],"
+              "\"launcher\":%s}\n",
               b.version.c_str(), b.cuda_backend ? "true" : "false", b.devices.size(), p.name.c_str(), R, tokens,
-              dt.c_str(), zero_copy, staged, set_json.c_str(), unknown_json.c_str());
+              dt.c_str(), zero_copy, staged, set_json.c_str(), unknown_json.c_str(), launcher_json.c_str());
   return 0;
 }
 
