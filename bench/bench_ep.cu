@@ -32,6 +32,7 @@
 #include "core/device_memory.h"
 #include "core/env_choice.h"
 #include "core/host_barrier.h"
+#include "core/launcher_env.h"
 #include "core/ep_state.h"
 #include "epx/comm.h"
 #include "epx/layout.h"
@@ -349,17 +350,16 @@ int main(int argc, char** argv) {
     }
     if (!ok) return 2;
   }
-  bool launched = false;
-  int ranks = 0;
+  detail::LauncherEnv launcher;
   try {  // the launcher's variables: torchrun's, mpirun's, srun's (a bad value names the variable)
-    launched = tools::started_by_launcher();
-    ranks = launched ? tools::launcher_world_size() : 0;
+    launcher = detail::launcher_env("bench_ep");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_ep: %s\n", e.what());
     return 2;
   }
+  const bool launched = launcher.launched;
   const int gpus = detail::cuda_device_count();
-  if (!launched) ranks = gpus;
+  const int ranks = launched ? launcher.world : gpus;
   if (ranks < 2) {
     std::fprintf(stderr, "bench_ep: needs 2 ranks, %d %s: skipped\n", ranks, launched ? "launched" : "GPUs visible");
     return 0;
@@ -367,7 +367,7 @@ int main(int argc, char** argv) {
   try {
     // The copy engine's GPU 0 -> 1 rate, where this process sees both (under a launcher: rank 0's
     // process, before it joins the group); 0 (and link fractions of -1) where it cannot be measured.
-    const bool measure = gpus >= 2 && tools::launcher_rank() == 0;
+    const bool measure = gpus >= 2 && launcher.rank == 0;
     const double link = measure ? peer_copy_gb_per_s() : 0.0;
     if (measure) JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
     for (Transport tr : transports) {
