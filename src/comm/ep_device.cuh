@@ -89,10 +89,8 @@ __device__ __forceinline__ uint32_t inline_barrier_begin(const DeviceGroup& g) {
       for (int p = 0; p < g.R; ++p) {
         if (p == g.rank) continue;
         uint32_t* inbox = g.peer_inbox[p] + g.rank;
-        if (g.signal_mode == kSignalRelaxed)
-          asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(inbox), "r"(next_s) : "memory");
-        else
-          store_release_sys(inbox, next_s);
+        if (g.signal_mode == kSignalRelaxed) store_relaxed_sys(inbox, next_s);
+        else store_release_sys(inbox, next_s);
       }
     }
   }
