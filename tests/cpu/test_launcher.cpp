@@ -26,7 +26,9 @@ using detail::ScopedEnv;
 // the given ones set.
 class LauncherVars {
  public:
-  explicit LauncherVars(std::initializer_list<std::pair<const char*, const char*>> set = {}) {
+  explicit LauncherVars(std::initializer_list<std::pair<const char*, const char*>> set = {})
+      : LauncherVars(std::vector<std::pair<const char*, const char*>>(set)) {}
+  explicit LauncherVars(const std::vector<std::pair<const char*, const char*>>& set) {
     for (const char* n : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                           "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "PMI_RANK",
                           "PMI_SIZE", "MPI_LOCALRANKID"})
@@ -119,33 +121,28 @@ TEST(Launcher, HalfOfRankAndWorldSizeIsAnError) {
 // mpirun, srun and PMI launchers start processes as torchrun does: epx demo / epx bench must join
 // their job instead of starting ranks of their own in every process.
 TEST(Launcher, MpirunSrunAndPmiAreLaunchers) {
-  {
-    const LauncherVars v(
-        {{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
+  struct Launch {
+    const char *rank, *world, *local;  // the launcher's variables (local null: not set)
+    int want_rank, want_world, want_local;
+  };
+  for (const Launch& l : {Launch{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", 1, 2,
+                                 1},
+                          Launch{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", 5, 8, 1},
+                          Launch{"PMI_RANK", "PMI_SIZE", nullptr, 2, 3, 0}}) {
+    const std::string r = std::to_string(l.want_rank), w = std::to_string(l.want_world);
+    const std::string lr = std::to_string(l.want_local);
+    std::vector<std::pair<const char*, const char*>> set = {{l.rank, r.c_str()}, {l.world, w.c_str()}};
+    if (l.local != nullptr) set.emplace_back(l.local, lr.c_str());
+    const LauncherVars v(set);
     const detail::LauncherEnv e = launcher_env("t");
-    EXPECT_TRUE(e.launched);
-    EXPECT_EQ(e.rank, 1);
-    EXPECT_EQ(e.world, 2);
-    EXPECT_EQ(e.local_rank, 1);
-    EXPECT_EQ(e.rank_name, "OMPI_COMM_WORLD_RANK");
-    EXPECT_EQ(tools::launcher_rank(), 1);
-  }
-  {
-    const LauncherVars v({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}});
-    const detail::LauncherEnv e = launcher_env("t");
-    EXPECT_TRUE(e.launched);
-    EXPECT_EQ(e.rank, 5);
-    EXPECT_EQ(e.world, 8);
-    EXPECT_EQ(e.local_rank, 1);
-    EXPECT_EQ(e.local_name, "SLURM_LOCALID");
-  }
-  {
-    const LauncherVars v({{"PMI_RANK", "2"}, {"PMI_SIZE", "3"}});
-    const detail::LauncherEnv e = launcher_env("t");
-    EXPECT_TRUE(e.launched);
-    EXPECT_EQ(e.rank, 2);
-    EXPECT_EQ(e.world, 3);
-    EXPECT_EQ(e.local_rank, 0);
+    EXPECT_TRUE(e.launched) << l.rank;
+    EXPECT_EQ(e.rank, l.want_rank) << l.rank;
+    EXPECT_EQ(e.world, l.want_world) << l.rank;
+    EXPECT_EQ(e.local_rank, l.want_local) << l.rank;
+    EXPECT_EQ(e.rank_name, l.rank);
+    EXPECT_EQ(e.world_name, l.world);
+    EXPECT_EQ(e.local_name, l.local ? l.local : "");
+    EXPECT_EQ(tools::launcher_rank(), l.want_rank) << l.rank;
   }
   {  // an salloc shell: the allocation's size, but no srun step
     const LauncherVars v({{"SLURM_NTASKS", "4"}});
