@@ -33,7 +33,7 @@ constexpr int kMaxR = 64;
 // The signal area (inboxes, arrival counters, ticket, item counter): core/window_layout.h.
 
 __host__ __device__ inline SignalArgs signal_of(const DeviceGroup& g) {
-  return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns};
+  return SignalArgs{g.peer_inbox, g.my_inbox, g.epoch, g.status, g.rank, g.R, g.timeout_ns, g.signal_mode};
 }
 
 __device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {

@@ -36,10 +36,10 @@ namespace {
 
 using namespace ep_device;
 
-__global__ void barrier_kernel(SignalArgs s, int op) { group_barrier(s, op); }
+__global__ void barrier_kernel(SignalArgs s, int op, bool before_write) { group_barrier(s, op, before_write); }
 
-void barrier(const DeviceGroup& g, int op, cudaStream_t stream) {
-  barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op);
+void barrier(const DeviceGroup& g, int op, cudaStream_t stream, bool before_write) {
+  barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op, before_write);
   EPX_CHECK_LAUNCH("barrier_kernel");
 }
 
@@ -59,8 +59,12 @@ class BarrierLink final : public Link {
   size_t reduce_chunk_bytes(const DeviceGroup& g) const override {
     return static_cast<size_t>(g.layout.max_tokens) * g.layout.row_bytes;
   }
-  void before_write(const DeviceGroup& g, int op_code, cudaStream_t stream) override { barrier(g, op_code, stream); }
-  void deliver(const DeviceGroup& g, const Delivery& d, cudaStream_t stream) override { barrier(g, d.op_code, stream); }
+  void before_write(const DeviceGroup& g, int op_code, cudaStream_t stream) override {
+    barrier(g, op_code, stream, true);
+  }
+  void deliver(const DeviceGroup& g, const Delivery& d, cudaStream_t stream) override {
+    barrier(g, d.op_code, stream, false);
+  }
 };
 
 // Received rows of source s occupy items [prefix[s], prefix[s+1]); maps an item to (s, slot).
@@ -110,7 +114,7 @@ __global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phas
   const DeviceGroup& g = a.g;
   const int Le = g.Le, R = g.R, hw = Le + 2;
   if (phases & kWriteHeaders) {
-    if (barriers) group_barrier(signal_of(g), kOpPrepare);
+    if (barriers) group_barrier(signal_of(g), kOpPrepare, true);
     for (int i = threadIdx.x; i < R * hw; i += blockDim.x) {
       const int d = i / hw, j = i % hw;
       out_header(g, d)[j] = j < Le ? a.counts[d * Le + j] : (j == Le ? a.send_tokens[d] : a.K);
@@ -301,7 +305,7 @@ __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
 template <class F>
 __global__ void all_reduce_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t n) {
   const SignalArgs sig = signal_of(g);
-  group_barrier(sig, kOpReduce);
+  group_barrier(sig, kOpReduce, true);
   for (int d = 0; d < g.R; ++d) {
     F* dst = reinterpret_cast<F*>(g.peer_window[d] + g.layout.reduce_offset(g.rank));
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = buf[begin + i];

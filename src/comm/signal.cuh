@@ -21,6 +21,7 @@ struct SignalArgs {
   int32_t* status;              // [kStatusWords]
   int rank, R;
   uint64_t timeout_ns;
+  int signal_mode = kSignalRelaxed;  // before-write barriers' signal (DeviceGroup::signal_mode)
 };
 
 __device__ __forceinline__ uint64_t global_ns() {
@@ -73,21 +74,32 @@ __device__ __forceinline__ void wait_for_peer(const SignalArgs& a, int p, uint32
 }
 
 /// Called by every thread of ONE block; returns when all peers arrived (or the wait gave up).
-__device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code) {
+/// A delivery barrier (the default) fences this rank's writes into peers' windows before its signal
+/// and after the wait. A before-write barrier (before_write: an op's opening barrier, after which
+/// this rank writes into its peers' windows) only says that this rank's previous op has ended: the
+/// grid that read what peers had sent it completed before this one began, so its reads have
+/// returned, and the signal carries no data. It then signals as the overlapped launches do
+/// (signal_mode: a relaxed store without fences by default), and the waiting threads' acquire loads,
+/// followed by the block barrier, order this rank's writes after the peers' signals.
+__device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code, bool before_write = false) {
   __shared__ uint32_t next_s;
   if (threadIdx.x == 0) next_s = *a.epoch + 1;
   __syncthreads();
   const uint32_t next = next_s;
   const bool broken = a.status[7] != 0;
-  __threadfence_system();  // this rank's earlier writes into peers' windows before the signal
-  for (int p = threadIdx.x; p < a.R; p += blockDim.x)
-    if (p != a.rank) store_release_sys(a.peer_inbox[p] + a.rank, next);
+  const bool light = before_write && a.signal_mode != kSignalFence;
+  if (!light) __threadfence_system();  // this rank's earlier writes into peers' windows before the signal
+  for (int p = threadIdx.x; p < a.R; p += blockDim.x) {
+    if (p == a.rank) continue;
+    if (light && a.signal_mode == kSignalRelaxed) store_relaxed_sys(a.peer_inbox[p] + a.rank, next);
+    else store_release_sys(a.peer_inbox[p] + a.rank, next);
+  }
   if (!broken)
     for (int p = threadIdx.x; p < a.R; p += blockDim.x)
       if (p != a.rank) wait_for_peer(a, p, next, op_code);
   __syncthreads();
   if (threadIdx.x == 0) *a.epoch = next;
-  __threadfence_system();
+  if (!light) __threadfence_system();
   __syncthreads();
 }
 
