@@ -66,6 +66,9 @@ __device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
 // launches: the last block resets it).
 __device__ __forceinline__ uint32_t* work_counter(const DeviceGroup& g) { return done_ticket(g) + 1; }
 
+// The prepares of this group so far (zero-copy; its parity picks the header copy).
+__device__ __forceinline__ uint32_t* prepare_count(const DeviceGroup& g) { return done_ticket(g) + 2; }
+
 // ---- the op's opening barrier inside the overlapped launch (default; not EPX_EP_BARRIER=launch)
 
 // Instead of a barrier launch before the op, one launch less: block 0 signals every peer that this

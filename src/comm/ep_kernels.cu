@@ -27,6 +27,7 @@
 #include "comm/ep_device.cuh"
 #include "comm/signal.cuh"
 #include "cuda/common/cuda_check.h"
+#include "core/env_choice.h"
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/common/row_reduce_tuning.h"
@@ -107,27 +108,38 @@ constexpr int kWriteHeaders = 1, kReadHeaders = 2;
 // kReadHeaders (the receive side from the headers that arrived). With device barriers (zero-copy)
 // both phases run in one launch around the barriers; the staged transport launches them apart,
 // with the NCCL delivery in between.
-__global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phases, bool barriers) {
+__global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phases, bool barriers, bool two_copies) {
   // One block: the next grid (the dispatch) may take the other SMs now and wait there for it.
   cuda::wait_for_previous_grid();
   cuda::allow_next_grid();
   const DeviceGroup& g = a.g;
   const int Le = g.Le, R = g.R, hw = Le + 2;
+  // With device barriers (zero-copy) the headers alternate between two copies by the parity of the
+  // group's prepares (WindowLayout::header_offset), so no peer can still be reading the copy this
+  // prepare writes: the one delivery barrier orders everything.
+  // (two_copies false, EPX_PREPARE_HEADERS=one: one copy, written after a before-write barrier.)
+  __shared__ int parity_s;
+  if (threadIdx.x == 0) parity_s = barriers && two_copies ? static_cast<int>(*prepare_count(g) & 1u) : 0;
+  __syncthreads();
+  const int parity = parity_s;
   if (phases & kWriteHeaders) {
-    if (barriers) group_barrier(signal_of(g), kOpPrepare, true);
+    if (barriers && !two_copies) group_barrier(signal_of(g), kOpPrepare, true);
     for (int i = threadIdx.x; i < R * hw; i += blockDim.x) {
       const int d = i / hw, j = i % hw;
-      out_header(g, d)[j] = j < Le ? a.counts[d * Le + j] : (j == Le ? a.send_tokens[d] : a.K);
+      int32_t* hdr = barriers ? reinterpret_cast<int32_t*>(g.peer_window[d] + g.layout.header_offset(g.rank, parity))
+                              : out_header(g, d);
+      hdr[j] = j < Le ? a.counts[d * Le + j] : (j == Le ? a.send_tokens[d] : a.K);
     }
   }
   if (!(phases & kReadHeaders)) return;
   if (barriers) group_barrier(signal_of(g), kOpPrepare);
+  if (barriers && two_copies && threadIdx.x == 0) *prepare_count(g) += 1u;  // read above by thread 0 only
   for (int i = threadIdx.x; i < R * Le; i += blockDim.x) {
     const int s = i / Le, j = i % Le;
-    a.recv_pairs[i] = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s))[j];
+    a.recv_pairs[i] = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s, parity))[j];
   }
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    const int32_t* hdr = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s));
+    const int32_t* hdr = reinterpret_cast<const int32_t*>(g.my_window + g.layout.header_offset(s, parity));
     a.recv_tokens[s] = hdr[Le];
     if (hdr[Le + 1] != a.K && atomicCAS(reinterpret_cast<uint32_t*>(&g.status[3]), 0u, 3u) == 0u) {
       g.status[1] = s;           // the rank that disagrees
@@ -436,18 +448,20 @@ void exchange_counts(const DeviceGroup& g, Link& link, HandleState& h, int32_t* 
                  h.status.ptr<int32_t>()};
   cudaStream_t s = cuda::to_cuda(stream);
   if (link.device_barriers()) {  // one launch, the barriers inside
+    // EPX_PREPARE_HEADERS=two|one (read once): the header copies prepares alternate between.
+    static const bool two = ::epx::detail::env_choice("EPX_PREPARE_HEADERS", {"two", "one"}) != 1;
     cuda::launch_after_previous("launch of exchange_kernel", exchange_kernel, 1, 1024, 0, s, a,
-                                kWriteHeaders | kReadHeaders, true);
+                                kWriteHeaders | kReadHeaders, true, two);
     return;
   }
   link.before_write(g, kOpPrepare, s);
-  exchange_kernel<<<1, 1024, 0, s>>>(a, kWriteHeaders, false);
+  exchange_kernel<<<1, 1024, 0, s>>>(a, kWriteHeaders, false, false);
   EPX_CHECK_LAUNCH("exchange_kernel (write)");
   Delivery d;
   d.op_code = kOpPrepare;
   d.header = true;
   link.deliver(g, d, s);
-  exchange_kernel<<<1, 1024, 0, s>>>(a, kReadHeaders, false);
+  exchange_kernel<<<1, 1024, 0, s>>>(a, kReadHeaders, false, false);
   EPX_CHECK_LAUNCH("exchange_kernel (read)");
 }
 

@@ -27,7 +27,8 @@ struct RowMeta {
 
 // The signal area after a zero-copy window's layout: the barrier inboxes (R words, padded to 256
 // bytes), then the overlapped kernels' arrival counters, [source][chunk of kArrivalChunk slots],
-// then the last-block ticket and the combine's item counter.
+// then the last-block ticket, the combine's item counter and the count of prepares (whose parity
+// picks the header copy, WindowLayout::header_offset).
 constexpr int kArrivalChunk = 8;
 EPX_HOST_DEVICE inline size_t inbox_bytes(int R) { return (static_cast<size_t>(R) * 4 + 255) / 256 * 256; }
 EPX_HOST_DEVICE inline int arrival_chunks(int max_tokens) { return (max_tokens + kArrivalChunk - 1) / kArrivalChunk; }
@@ -35,7 +36,7 @@ EPX_HOST_DEVICE inline size_t arrival_bytes(int R, int max_tokens) {
   return static_cast<size_t>(R) * arrival_chunks(max_tokens) * sizeof(uint32_t);
 }
 EPX_HOST_DEVICE inline size_t signal_area_bytes(int R, int max_tokens) {
-  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + 2 * sizeof(uint32_t);
+  return inbox_bytes(R) + arrival_bytes(R, max_tokens) + 3 * sizeof(uint32_t);
 }
 /// The signal area as allocated after the layout: rounded up to 256 bytes.
 inline size_t signal_bytes(int R, int max_tokens) { return (signal_area_bytes(R, max_tokens) + 255) / 256 * 256; }
@@ -66,12 +67,23 @@ struct WindowLayout {
     w.total = w.reduce + static_cast<size_t>(num_ranks) * kReduceBytes;
     return w;
   }
-  /// Bytes of one rank's zero-copy window: the layout, then the signal area.
-  size_t window_bytes() const { return total + signal_bytes(num_ranks, max_tokens); }
+  /// Bytes of one rank's zero-copy window: the layout, the signal area, then the second copy of the
+  /// header region (odd prepares).
+  size_t window_bytes() const { return odd_header() + header_region_bytes(); }
   /// Bytes of each of the staged transport's two buffers (send, receive): the header, meta and rows
   /// regions (all-reduce chunks travel in the rows regions).
   size_t staging_bytes() const { return reduce; }
-  EPX_HOST_DEVICE size_t header_offset(int src) const { return header + src * header_ints * sizeof(int32_t); }
+  /// Region [src] of the header. Zero-copy prepares alternate between two copies (parity 0: the one
+  /// at the start of the layout, which the staged transport and the reference use; 1: after the
+  /// signal area), so that a rank writing prepare i + 1's counts never overwrites those a peer may
+  /// still be reading from prepare i, and prepare needs no barrier before it writes.
+  EPX_HOST_DEVICE size_t header_offset(int src, int parity = 0) const {
+    return (parity ? odd_header() : header) + src * header_ints * sizeof(int32_t);
+  }
+  EPX_HOST_DEVICE size_t header_region_bytes() const { return num_ranks * header_ints * sizeof(int32_t); }
+  EPX_HOST_DEVICE size_t odd_header() const {
+    return total + (signal_area_bytes(num_ranks, max_tokens) + 255) / 256 * 256;
+  }
   EPX_HOST_DEVICE size_t meta_offset(int src, int slot) const {
     return meta + (static_cast<size_t>(src) * max_tokens + slot) * max_topk * sizeof(RowMeta);
   }

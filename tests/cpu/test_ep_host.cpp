@@ -16,6 +16,7 @@
 #include "common/ep_oracle.h"
 #include "core/ep_state.h"
 #include "core/scoped_env.h"
+#include "core/window_layout.h"
 #include "epx/comm.h"
 #include "epx/error.h"
 #include "epx/layout.h"
@@ -456,7 +457,8 @@ TEST(EpHostErrors, GroupConfig) {
 
 // registered_bytes_per_rank against what Group::registered_bytes() returned on GPUs for the same
 // configs (bench_ep's: max_tokens_per_rank = T, max_topk = K, bf16 rows; 2 and 4 x H200, the
-// `registered_bytes` field of bench/results/2026-11-26_*_ep_*.jsonl).
+// `registered_bytes` field of bench/results/2026-11-26_*_ep_*.jsonl), plus, for zero-copy, the second
+// copy of the header region (ranks x (local experts + 2) int32) added on 2026-11-27.
 TEST(EpHost, RegisteredBytesPerRankAreWhatGroupsRegister) {
   struct Known {
     int ranks, tokens;
@@ -466,8 +468,10 @@ TEST(EpHost, RegisteredBytesPerRankAreWhatGroupsRegister) {
     size_t bytes;
   };
   const Known known[] = {
-      {2, 4096, 7168, 256, Transport::kZeroCopy, 118626048}, {2, 128, 7168, 256, Transport::kZeroCopy, 3835648},
-      {2, 4096, 4096, 64, Transport::kZeroCopy, 68293632},   {4, 4096, 7168, 256, Transport::kZeroCopy, 237250304},
+      {2, 4096, 7168, 256, Transport::kZeroCopy, 118626048 + 1040},
+      {2, 128, 7168, 256, Transport::kZeroCopy, 3835648 + 1040},
+      {2, 4096, 4096, 64, Transport::kZeroCopy, 68293632 + 272},
+      {4, 4096, 7168, 256, Transport::kZeroCopy, 237250304 + 1056},
       {2, 4096, 7168, 256, Transport::kStaged, 236980736},   {4, 4096, 7168, 256, Transport::kStaged, 473958912},
   };
   for (const Known& k : known) {
@@ -482,6 +486,28 @@ TEST(EpHost, RegisteredBytesPerRankAreWhatGroupsRegister) {
   GroupConfig c = small_config();
   EXPECT_TRUE(has(error_of([&] { registered_bytes_per_rank(c, 2, Transport::kAuto); }), "transport is auto"));
   EXPECT_TRUE(has(error_of([&] { registered_bytes_per_rank(c, 0, Transport::kStaged); }), "num_ranks is 0"));
+}
+
+// The two header copies of a zero-copy window (prepares alternate between them): each holds every
+// source's region, neither overlaps the other, the meta region or the signal area, and the second
+// ends the window.
+TEST(EpHost, HeaderCopiesAreDisjointAndInsideTheWindow) {
+  for (int ranks : {1, 2, 4, 8}) {
+    GroupConfig c;
+    c.num_experts = 256;
+    c.hidden = 7168;
+    c.max_tokens_per_rank = 4096;
+    c.max_topk = 8;
+    const WindowLayout L = WindowLayout::make(c, ranks);
+    const size_t region = L.header_region_bytes();
+    EXPECT_EQ(region, static_cast<size_t>(ranks) * (256 / ranks + 2) * sizeof(int32_t));
+    EXPECT_EQ(L.header_offset(ranks - 1, 0) + L.header_ints * sizeof(int32_t), L.header + region);
+    EXPECT_LE(L.header + region, L.meta) << ranks << " ranks";
+    const size_t signal_end = L.total + signal_area_bytes(ranks, c.max_tokens_per_rank);
+    EXPECT_GE(L.header_offset(0, 1), signal_end) << ranks << " ranks";
+    EXPECT_EQ(L.header_offset(0, 1) % 256, 0u);
+    EXPECT_EQ(L.header_offset(ranks - 1, 1) + L.header_ints * sizeof(int32_t), L.window_bytes()) << ranks << " ranks";
+  }
 }
 
 // The launcher's variables: one that is set but not a whole number is an error naming it (read as

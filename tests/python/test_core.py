@@ -190,7 +190,7 @@ def test_registered_bytes_per_rank_of_the_deepseek_v3_layer():
     p = epx.find_preset("deepseek-v3")
     gc = epx.GroupConfig()
     gc.num_experts, gc.hidden, gc.max_tokens_per_rank, gc.max_topk = p.experts, p.hidden, p.tokens, p.topk
-    assert epx.registered_bytes_per_rank(gc, 2, epx.Transport.zerocopy) == 118626048
+    assert epx.registered_bytes_per_rank(gc, 2, epx.Transport.zerocopy) == 118627088
     assert epx.registered_bytes_per_rank(gc, 2, epx.Transport.staged) == 236980736
     with pytest.raises(ValueError, match="transport is auto"):
         epx.registered_bytes_per_rank(gc, 2, epx.Transport.auto)
