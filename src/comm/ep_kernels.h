@@ -56,8 +56,9 @@ struct DeviceGroup {
   // (the rest stay free for work running beside it). 0: the link kernels get send_blocks and the
   // receive side (expansion, reduction, sums) every SM.
   int sm_budget = 0;
-  // How block 0 of an overlapped launch tells the peers that this rank has reached the op
-  // (inline_barrier_begin; EPX_EP_SIGNAL): kSignalRelaxed (default), kSignalRelease, kSignalFence.
+  // How this rank tells the peers that it has reached an op (block 0 of an overlapped launch,
+  // inline_barrier_begin, and every before-write group_barrier; EPX_EP_SIGNAL): kSignalRelaxed
+  // (default), kSignalRelease, kSignalFence.
   int signal_mode = 0;
 };
 
