@@ -37,10 +37,10 @@ namespace {
 
 using namespace ep_device;
 
-__global__ void barrier_kernel(SignalArgs s, int op, bool before_write) { group_barrier(s, op, before_write); }
+__global__ void barrier_kernel(SignalArgs s, int op, BarrierAfter after) { group_barrier(s, op, after); }
 
-void barrier(const DeviceGroup& g, int op, cudaStream_t stream, bool before_write) {
-  barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op, before_write);
+void barrier(const DeviceGroup& g, int op, cudaStream_t stream, BarrierAfter after) {
+  barrier_kernel<<<1, 64, 0, stream>>>(signal_of(g), op, after);
   EPX_CHECK_LAUNCH("barrier_kernel");
 }
 
@@ -61,10 +61,10 @@ class BarrierLink final : public Link {
     return static_cast<size_t>(g.layout.max_tokens) * g.layout.row_bytes;
   }
   void before_write(const DeviceGroup& g, int op_code, cudaStream_t stream) override {
-    barrier(g, op_code, stream, true);
+    barrier(g, op_code, stream, BarrierAfter::kBeforeWrite);
   }
   void deliver(const DeviceGroup& g, const Delivery& d, cudaStream_t stream) override {
-    barrier(g, d.op_code, stream, false);
+    barrier(g, d.op_code, stream, BarrierAfter::kAfterWrites);
   }
 };
 
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phas
   __syncthreads();
   const int parity = parity_s;
   if (phases & kWriteHeaders) {
-    if (barriers && !two_copies) group_barrier(signal_of(g), kOpPrepare, true);
+    if (barriers && !two_copies) group_barrier(signal_of(g), kOpPrepare, BarrierAfter::kBeforeWrite);
     for (int i = threadIdx.x; i < R * hw; i += blockDim.x) {
       const int d = i / hw, j = i % hw;
       int32_t* hdr = barriers ? reinterpret_cast<int32_t*>(g.peer_window[d] + g.layout.header_offset(g.rank, parity))
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(1024) exchange_kernel(ExchangeArgs a, int phas
     }
   }
   if (!(phases & kReadHeaders)) return;
-  if (barriers) group_barrier(signal_of(g), kOpPrepare);
+  if (barriers) group_barrier(signal_of(g), kOpPrepare, BarrierAfter::kAfterBlockWrites);
   if (barriers && two_copies && threadIdx.x == 0) *prepare_count(g) += 1u;  // read above by thread 0 only
   for (int i = threadIdx.x; i < R * Le; i += blockDim.x) {
     const int s = i / Le, j = i % Le;
@@ -317,12 +317,12 @@ __global__ void __launch_bounds__(W * 32) spread_kernel(SpreadArgs a) {
 template <class F>
 __global__ void all_reduce_kernel(DeviceGroup g, F* buf, int64_t begin, int64_t n) {
   const SignalArgs sig = signal_of(g);
-  group_barrier(sig, kOpReduce, true);
+  group_barrier(sig, kOpReduce, BarrierAfter::kBeforeWrite);
   for (int d = 0; d < g.R; ++d) {
     F* dst = reinterpret_cast<F*>(g.peer_window[d] + g.layout.reduce_offset(g.rank));
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = buf[begin + i];
   }
-  group_barrier(sig, kOpReduce);
+  group_barrier(sig, kOpReduce, BarrierAfter::kAfterBlockWrites);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     F acc = 0;
     for (int s = 0; s < g.R; ++s) acc += reinterpret_cast<const F*>(g.my_window + g.layout.reduce_offset(s))[i];

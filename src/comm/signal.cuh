@@ -73,25 +73,35 @@ __device__ __forceinline__ void wait_for_peer(const SignalArgs& a, int p, uint32
   if (!wait_for_word(a.my_inbox + p, a.timeout_ns, 64, arrived)) record_missing_peer(a.status, p, op_code, next);
 }
 
+/// What a barrier follows (group_barrier):
+///  - kBeforeWrite: an op's opening barrier, after which this rank writes into its peers' windows. It
+///    only says that this rank's previous op has ended: the grid that read what peers had sent it
+///    completed before this one began, so its reads have returned, and the signal carries no data.
+///  - kAfterBlockWrites: this block's own writes into the peers' windows (prepare's headers). The
+///    signalling threads' release stores, after the block barrier that follows those writes, order
+///    them before the signal, as a grid-wide barrier orders a block's writes before its arrival.
+///  - kAfterWrites: writes of earlier launches (the phased paths' delivery): every thread fences first.
+enum class BarrierAfter { kBeforeWrite, kAfterBlockWrites, kAfterWrites };
+
 /// Called by every thread of ONE block; returns when all peers arrived (or the wait gave up).
-/// A delivery barrier (the default) fences this rank's writes into peers' windows before its signal
-/// and after the wait. A before-write barrier (before_write: an op's opening barrier, after which
-/// this rank writes into its peers' windows) only says that this rank's previous op has ended: the
-/// grid that read what peers had sent it completed before this one began, so its reads have
-/// returned, and the signal carries no data. It then signals as the overlapped launches do
-/// (signal_mode: a relaxed store without fences by default), and the waiting threads' acquire loads,
-/// followed by the block barrier, order this rank's writes after the peers' signals.
-__device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code, bool before_write = false) {
+/// Unless signal_mode is kSignalFence (EPX_EP_SIGNAL=fence: a system fence before the signal and
+/// after the wait, whatever the barrier follows), a before-write barrier signals as the overlapped
+/// launches do (signal_mode: a relaxed store by default) and no barrier fences after its wait: the
+/// waiting threads' acquire loads, then the block barrier, order this block's later accesses (and
+/// the next launch follows this one's completion).
+__device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code,
+                                              BarrierAfter after = BarrierAfter::kAfterWrites) {
   __shared__ uint32_t next_s;
   if (threadIdx.x == 0) next_s = *a.epoch + 1;
   __syncthreads();
   const uint32_t next = next_s;
   const bool broken = a.status[7] != 0;
-  const bool light = before_write && a.signal_mode != kSignalFence;
-  if (!light) __threadfence_system();  // this rank's earlier writes into peers' windows before the signal
+  const bool fence = a.signal_mode == kSignalFence;
+  if (fence || after == BarrierAfter::kAfterWrites) __threadfence_system();
+  const bool relaxed = !fence && after == BarrierAfter::kBeforeWrite && a.signal_mode == kSignalRelaxed;
   for (int p = threadIdx.x; p < a.R; p += blockDim.x) {
     if (p == a.rank) continue;
-    if (light && a.signal_mode == kSignalRelaxed) store_relaxed_sys(a.peer_inbox[p] + a.rank, next);
+    if (relaxed) store_relaxed_sys(a.peer_inbox[p] + a.rank, next);
     else store_release_sys(a.peer_inbox[p] + a.rank, next);
   }
   if (!broken)
@@ -99,7 +109,7 @@ __device__ __forceinline__ void group_barrier(const SignalArgs& a, int op_code, 
       if (p != a.rank) wait_for_peer(a, p, next, op_code);
   __syncthreads();
   if (threadIdx.x == 0) *a.epoch = next;
-  if (!light) __threadfence_system();
+  if (fence) __threadfence_system();
   __syncthreads();
 }
 
