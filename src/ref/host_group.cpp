@@ -124,9 +124,12 @@ class HostGroup final : public GroupState {
     }
 
     // Exchange: my pairs per expert of rank d, my token rows for d, and my top-k, into d's header.
-    world_->barrier.arrive_and_wait(rank, fn, timeout_s_);
+    // As on the zero-copy transport, prepares alternate between two header copies, so no barrier
+    // comes before the writes: a peer passed the previous prepare's barrier, so it has finished
+    // reading the copy written here (the one before that).
+    const int parity = static_cast<int>(prepares_++ & 1u);
     for (int d = 0; d < R; ++d) {
-      int32_t* hdr = reinterpret_cast<int32_t*>(world_->window(d) + L.header_offset(rank));
+      int32_t* hdr = reinterpret_cast<int32_t*>(world_->window(d) + L.header_offset(rank, parity));
       for (int j = 0; j < Le; ++j) hdr[j] = counts[d * Le + j];
       hdr[Le] = send[d];
       hdr[Le + 1] = K;
@@ -141,7 +144,7 @@ class HostGroup final : public GroupState {
     h.status.ptr<int32_t>()[1] = kNoBadPair;
     std::string topk_mismatch;
     for (int s = 0; s < R; ++s) {
-      const int32_t* hdr = reinterpret_cast<const int32_t*>(world_->window(rank) + L.header_offset(s));
+      const int32_t* hdr = reinterpret_cast<const int32_t*>(world_->window(rank) + L.header_offset(s, parity));
       for (int j = 0; j < Le; ++j) {
         h.recv_pairs.ptr<int32_t>()[s * Le + j] = hdr[j];
         h.expert_rows.ptr<int32_t>()[j] += hdr[j];
@@ -433,6 +436,7 @@ class HostGroup final : public GroupState {
 
   std::shared_ptr<SimWorld> world_;
   double timeout_s_ = 10.0;
+  uint32_t prepares_ = 0;  // its parity picks the header copy
 };
 
 }  // namespace

@@ -59,7 +59,9 @@ class SimBarrier {
 
 struct SimWorld {
   SimWorld(int num_ranks, const WindowLayout& layout) : layout(layout), barrier(num_ranks) {
-    for (int r = 0; r < num_ranks; ++r) windows.push_back(Tensor::zeros({static_cast<int64_t>(layout.total)}, DType::kU8));
+    // The zero-copy window's bytes: the layout, the signal area (unused here) and the second header copy.
+    const auto bytes = static_cast<int64_t>(layout.window_bytes());
+    for (int r = 0; r < num_ranks; ++r) windows.push_back(Tensor::zeros({bytes}, DType::kU8));
   }
   char* window(int rank) const { return static_cast<char*>(windows[rank].data()); }
 

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -507,6 +509,57 @@ TEST(EpHost, HeaderCopiesAreDisjointAndInsideTheWindow) {
     EXPECT_GE(L.header_offset(0, 1), signal_end) << ranks << " ranks";
     EXPECT_EQ(L.header_offset(0, 1) % 256, 0u);
     EXPECT_EQ(L.header_offset(ranks - 1, 1) + L.header_ints * sizeof(int32_t), L.window_bytes()) << ranks << " ranks";
+  }
+}
+
+// Prepares alternate between two header copies with no barrier before their writes: consecutive
+// prepares of one group, a different routing each time and every rank pausing a random while before
+// each, must each give every rank the layout of that iteration's routing (a rank reading a copy that a
+// faster peer had already overwritten with the next iteration's counts would get the wrong offsets).
+TEST(EpHost, ConsecutivePreparesOfDriftingRanksSeeTheirOwnCounts) {
+  constexpr int R = 3, E = 12, K = 3, T = 24, kIterations = 12;
+  GroupConfig cfg;
+  cfg.num_experts = E;
+  cfg.hidden = 4;
+  cfg.max_tokens_per_rank = T;
+  cfg.max_topk = K;
+  cfg.max_dtype = DType::kF32;
+  auto groups = Group::create_simulated(R, cfg);
+  // Rank r's routing at iteration i, drawn the same way wherever it is needed: distinct experts per
+  // token, some slots masked, the number of tokens varying too.
+  auto routing_of = [&](int r, int i) {
+    std::mt19937 rng(static_cast<uint32_t>(1000 * i + r));
+    testing::RankRouting rr;
+    rr.num_tokens = 1 + static_cast<int>(rng() % T);
+    rr.topk = K;
+    std::vector<int32_t> experts(E);
+    std::iota(experts.begin(), experts.end(), 0);
+    for (int t = 0; t < rr.num_tokens; ++t) {
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (int k = 0; k < K; ++k) rr.routed.push_back(rng() % 5 == 0 ? -1 : experts[k]);
+    }
+    return rr;
+  };
+  std::vector<std::vector<std::vector<int32_t>>> seen(R, std::vector<std::vector<int32_t>>(kIterations));
+  run_ranks(groups, [&](Group& g) {
+    std::mt19937 pause(static_cast<uint32_t>(77 + g.rank()));
+    for (int i = 0; i < kIterations; ++i) {
+      const testing::RankRouting rr = routing_of(g.rank(), i);
+      Tensor idx = Tensor::empty({rr.num_tokens, K}, DType::kI32), w = Tensor::full({rr.num_tokens, K}, DType::kF32, 1);
+      std::copy(rr.routed.begin(), rr.routed.end(), idx.ptr<int32_t>());
+      std::this_thread::sleep_for(std::chrono::microseconds(pause() % 300));
+      Handle h = prepare(g, idx, w);
+      seen[g.rank()][i] = h.expert_offsets_host();
+    }
+  });
+  for (int i = 0; i < kIterations; ++i) {
+    std::vector<testing::RankRouting> all;
+    for (int r = 0; r < R; ++r) all.push_back(routing_of(r, i));
+    for (int r = 0; r < R; ++r) {
+      const testing::ExpertMajorLayout L = testing::oracle_layout(all, E, r, cfg.align);
+      ASSERT_EQ(seen[r][i], std::vector<int32_t>(L.offsets.begin(), L.offsets.end()))
+          << "rank " << r << ", prepare " << i;
+    }
   }
 }
 
