@@ -36,7 +36,6 @@
 #include "core/ep_state.h"
 #include "epx/comm.h"
 #include "epx/layout.h"
-#include "tools/launch.h"
 
 using namespace epx;
 using bench::JsonLine;
@@ -132,7 +131,8 @@ JsonLine timeline_line(const char* op, int rank, int T, int H, const comm::EpTim
   return j;
 }
 
-void run(int T, int H, int E, int K, int sms, double link, Transport transport) {
+// launched: this process is one rank of a launcher's job (main reads the launcher's variables once).
+void run(int T, int H, int E, int K, int sms, double link, Transport transport, bool launched) {
   GroupConfig cfg;
   cfg.transport = transport;
   cfg.num_experts = E;
@@ -141,7 +141,6 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport) 
   cfg.max_topk = K;
   cfg.num_sms = sms;
   cfg.align = 1;
-  const bool launched = tools::started_by_launcher();
   std::vector<Group> groups;
   if (launched) groups.push_back(Group::create_from_env(cfg));
   else groups = Group::create_all_local(cfg);
@@ -372,10 +371,10 @@ int main(int argc, char** argv) {
     if (measure) JsonLine().add("impl", "epx").add("op", "peer_copy_engine").add("gb_per_s", link).print();
     for (Transport tr : transports) {
       if (T) {
-        run(T, H ? H : 7168, E ? E : 256, K ? K : 8, sms, link, tr);
+        run(T, H ? H : 7168, E ? E : 256, K ? K : 8, sms, link, tr, launched);
       } else {
         for (int h : {7168, 4096})
-          for (int t : {128, 512, 2048, 4096, 8192}) run(t, h, h == 7168 ? 256 : 64, 8, sms, link, tr);
+          for (int t : {128, 512, 2048, 4096, 8192}) run(t, h, h == 7168 ? 256 : 64, 8, sms, link, tr, launched);
       }
     }
   } catch (const std::exception& e) {

@@ -39,7 +39,9 @@ EPX_HOST_DEVICE inline size_t signal_area_bytes(int R, int max_tokens) {
   return inbox_bytes(R) + arrival_bytes(R, max_tokens) + 3 * sizeof(uint32_t);
 }
 /// The signal area as allocated after the layout: rounded up to 256 bytes.
-inline size_t signal_bytes(int R, int max_tokens) { return (signal_area_bytes(R, max_tokens) + 255) / 256 * 256; }
+EPX_HOST_DEVICE inline size_t signal_bytes(int R, int max_tokens) {
+  return (signal_area_bytes(R, max_tokens) + 255) / 256 * 256;
+}
 
 struct WindowLayout {
   static constexpr size_t kReduceBytes = 64 * 1024;
@@ -81,9 +83,7 @@ struct WindowLayout {
     return (parity ? odd_header() : header) + src * header_ints * sizeof(int32_t);
   }
   EPX_HOST_DEVICE size_t header_region_bytes() const { return num_ranks * header_ints * sizeof(int32_t); }
-  EPX_HOST_DEVICE size_t odd_header() const {
-    return total + (signal_area_bytes(num_ranks, max_tokens) + 255) / 256 * 256;
-  }
+  EPX_HOST_DEVICE size_t odd_header() const { return total + signal_bytes(num_ranks, max_tokens); }
   EPX_HOST_DEVICE size_t meta_offset(int src, int slot) const {
     return meta + (static_cast<size_t>(src) * max_tokens + slot) * max_topk * sizeof(RowMeta);
   }
