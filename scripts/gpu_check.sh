@@ -20,7 +20,8 @@
 # (multigpu_staged_net.log).
 # (multigpu_staged_exact.log: the staged transport again with EPX_STAGED_SIZES=exact.)
 # MP_RANKS (default 2) sets the ranks of the multi-process suite; MP_RUNS="plain staged net exact"
-# picks which of its four runs happen. EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
+# picks which of its four runs happen ("mismatch" adds two ranks started with different zero-copy
+# protocol settings, which must both fail at creation naming the setting). EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
 # dispatch/combine at those token counts only (H=7168, E=256), on every local GPU: bench_ep with its
 # default budget of 32 SMs on both transports, without a budget (--sms 0), and staged with exact sizes.
 # EP_LAUNCH=process runs bench_ep there one process per GPU (scripts/run_ranks.sh) instead of one
@@ -300,6 +301,22 @@ if has mptests; then
     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo EPX_TRANSPORT=staged
   [[ $runs == *" exact "* ]] && run_mp "EPX_TRANSPORT=staged EPX_STAGED_SIZES=exact" multigpu_staged_exact.log \
     EPX_TRANSPORT=staged EPX_STAGED_SIZES=exact
+  # mismatch: two ranks whose zero-copy protocol settings differ must both fail at creation with an
+  # error naming the setting (bench_ep creates the group), not time out at the first op.
+  if [[ $runs == *" mismatch "* ]]; then
+    for var in EPX_PREPARE_HEADERS=one EPX_EP_BARRIER=launch; do
+      log="$OUT/multigpu_mismatch_${var%%=*}.log"
+      timeout --kill-after=5 90 scripts/run_ranks.sh 2 bash -c "[ \"\$RANK\" = 1 ] && export $var; \
+        exec $BUILD/bin/bench_ep --tokens 128 --sms 0 --transport zerocopy" >"$log" 2>&1
+      rc=$?
+      named=$(grep -c "${var%%=*}" "$log")
+      if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] && [ "$named" -ge 2 ]; then
+        summary "multi-process mismatch ($var on rank 1): ok, rc=$rc, both ranks named ${var%%=*}"
+      else
+        summary "multi-process mismatch ($var on rank 1): FAILED rc=$rc, lines naming ${var%%=*}: $named"
+      fi
+    done
+  fi
 fi
 
 if has epbench; then

@@ -448,8 +448,7 @@ void exchange_counts(const DeviceGroup& g, Link& link, HandleState& h, int32_t* 
                  h.status.ptr<int32_t>()};
   cudaStream_t s = cuda::to_cuda(stream);
   if (link.device_barriers()) {  // one launch, the barriers inside
-    // EPX_PREPARE_HEADERS=two|one (read once): the header copies prepares alternate between.
-    static const bool two = ::epx::detail::env_choice("EPX_PREPARE_HEADERS", {"two", "one"}) != 1;
+    static const bool two = zero_copy_protocol().two_header_copies;
     cuda::launch_after_previous("launch of exchange_kernel", exchange_kernel, 1, 1024, 0, s, a,
                                 kWriteHeaders | kReadHeaders, true, two);
     return;
@@ -463,6 +462,15 @@ void exchange_counts(const DeviceGroup& g, Link& link, HandleState& h, int32_t* 
   link.deliver(g, d, s);
   exchange_kernel<<<1, 1024, 0, s>>>(a, kReadHeaders, false, false);
   EPX_CHECK_LAUNCH("exchange_kernel (read)");
+}
+
+ZeroCopyProtocol zero_copy_protocol() {
+  ZeroCopyProtocol p;
+  p.inline_barrier = ep_device::inline_barrier_enabled();
+  // EPX_PREPARE_HEADERS=two|one (read once): the header copies prepares alternate between.
+  static const bool two = ::epx::detail::env_choice("EPX_PREPARE_HEADERS", {"two", "one"}) != 1;
+  p.two_header_copies = two;
+  return p;
 }
 
 void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32_t* segment_starts, const TensorRef& x,

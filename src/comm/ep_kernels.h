@@ -132,6 +132,16 @@ void reduce_rows(const DeviceGroup& g, Link& link, const HandleState& h, int op_
                  const TensorRef& rows_in, const TensorRef& row_weights, const TensorRef& d_row_scalars,
                  const TensorRef& out, const TensorRef& d_topk_weights, Stream stream);
 
+/// The zero-copy protocol this process runs, which every rank of a group must share (checked when
+/// the group is created): whether the overlapped launches hold their op's opening barrier
+/// (EPX_EP_BARRIER, default inline) and whether prepare alternates between two count-header copies
+/// (EPX_PREPARE_HEADERS, default two).
+struct ZeroCopyProtocol {
+  bool inline_barrier = true;
+  bool two_header_copies = true;
+};
+ZeroCopyProtocol zero_copy_protocol();
+
 /// combine_backward: d_out rows once per destination rank, then the expert side spreads them to
 /// the rows (times the row weight) and computes the row-weight gradients.
 void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const TensorRef& d_out,

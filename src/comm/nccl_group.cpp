@@ -35,6 +35,7 @@
 
 #include "comm/ep_kernels.h"
 #include "comm/group_status.h"
+#include "comm/group_votes.h"
 #include "comm/handle_pool.h"
 #include "comm/nccl_window.h"
 #include "core/device_memory.h"
@@ -292,30 +293,45 @@ Choice choose(Transport requested, const RankResources& r) {
   return c;
 }
 
-// The per-rank votes of agree_on_transport, {ranks that failed, chose zero-copy, chose staged,
-// asked for exact staged sizes}, summed over every rank of the group with one small ncclAllReduce.
-std::vector<int32_t> allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices) {
+// This rank's votes (GroupVotes): its transport choice and, on zero-copy, the protocol settings the
+// ranks must share.
+GroupVotes votes_of(const Choice& c) {
+  GroupVotes v;
+  if (!c.error.empty()) {
+    v.n[GroupVotes::kFailed] = 1;
+    return v;
+  }
+  v.n[c.transport == Transport::kZeroCopy ? GroupVotes::kZeroCopy : GroupVotes::kStaged] = 1;
+  v.n[GroupVotes::kExactSizes] = c.exact_sizes ? 1 : 0;
+  const ZeroCopyProtocol p = zero_copy_protocol();
+  v.n[GroupVotes::kBarrierLaunch] = p.inline_barrier ? 0 : 1;
+  v.n[GroupVotes::kOneHeaderCopy] = p.two_header_copies ? 0 : 1;
+  return v;
+}
+
+// The votes of this process's ranks summed over every rank of the group with one small ncclAllReduce.
+GroupVotes allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices) {
   const size_t n = ranks.size();
+  constexpr int kWords = GroupVotes::kCount;
   std::vector<Tensor> votes(n);
   std::vector<cudaStream_t> streams(n, nullptr);
   for (size_t i = 0; i < n; ++i) {
     DeviceGuard g(ranks[i]->device);
-    int32_t v[4] = {choices[i].error.empty() ? 0 : 1, 0, 0, choices[i].exact_sizes ? 1 : 0};
-    if (choices[i].error.empty()) v[choices[i].transport == Transport::kZeroCopy ? 1 : 2] = 1;
-    votes[i] = Tensor::empty({4}, DType::kI32, Device::cuda(ranks[i]->device));
-    EPX_CUDA_CHECK(cudaMemcpy(votes[i].data(), v, sizeof v, cudaMemcpyHostToDevice));
+    const GroupVotes v = votes_of(choices[i]);
+    votes[i] = Tensor::empty({kWords}, DType::kI32, Device::cuda(ranks[i]->device));
+    EPX_CUDA_CHECK(cudaMemcpy(votes[i].data(), v.n.data(), sizeof(int32_t) * kWords, cudaMemcpyHostToDevice));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
   }
   nccl_check(ncclGroupStart(), "ncclGroupStart");
   for (size_t i = 0; i < n; ++i)
-    nccl_check(ncclAllReduce(votes[i].data(), votes[i].data(), 4, ncclInt32, ncclSum, ranks[i]->comm, streams[i]),
+    nccl_check(ncclAllReduce(votes[i].data(), votes[i].data(), kWords, ncclInt32, ncclSum, ranks[i]->comm, streams[i]),
                "ncclAllReduce (transport agreement)");
   nccl_check(ncclGroupEnd(), "ncclGroupEnd (transport agreement)");
-  std::vector<int32_t> total(4);
+  GroupVotes total;
   for (size_t i = 0; i < n; ++i) {
     DeviceGuard g(ranks[i]->device);
     EPX_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
-    EPX_CUDA_CHECK(cudaMemcpy(total.data(), votes[i].data(), sizeof(int32_t) * 4, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaMemcpy(total.n.data(), votes[i].data(), sizeof(int32_t) * kWords, cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaStreamDestroy(streams[i]));
   }
   return total;
@@ -328,27 +344,18 @@ std::vector<int32_t> allreduce_votes(std::vector<RankResources*>& ranks, const s
 // over the group (one small collective, at creation only).
 void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices, const char* fn) {
   const int R = ranks[0]->size;
-  std::vector<int32_t> total(4, 0);
+  GroupVotes total;
   for (const Choice& c : choices) {
-    ++total[!c.error.empty() ? 0 : c.transport == Transport::kZeroCopy ? 1 : 2];
-    total[3] += c.exact_sizes ? 1 : 0;
+    const GroupVotes v = votes_of(c);
+    for (int i = 0; i < GroupVotes::kCount; ++i) total.n[i] += v.n[i];
   }
   if (static_cast<int>(ranks.size()) < R) total = allreduce_votes(ranks, choices);
   for (const Choice& c : choices)
     if (!c.error.empty()) throw Error(Status::kNotSupported, detail::concat(fn, ": ", c.error));
-  require_status(total[0] == 0, Status::kNotSupported, fn, total[0], " of the group's ", R,
-                 " ranks cannot use the transport they were asked for (see their errors)");
-  require(total[1] == 0 || total[2] == 0, fn, "the ranks disagree on the transport: ", total[1],
-          " chose zero-copy and ", total[2], " chose staged (GroupConfig::transport and EPX_TRANSPORT must agree on "
-          "every rank)");
-  // Exact sizes change how many bytes each exchange moves: a mix would leave sends and receives of
-  // different sizes.
-  require(choices[0].transport != Transport::kStaged || total[3] == 0 || total[3] == R, fn, total[3], " of the group's ", R,
-          " ranks asked for exact staged sizes and the others did not (GroupConfig::staged_exact_sizes and "
-          "EPX_STAGED_SIZES must agree on every rank)");
+  check_group_votes(total, R, fn);
   for (RankResources* r : ranks) {
     r->transport = choices[0].transport;
-    r->staged_exact = r->transport == Transport::kStaged && total[3] == R;
+    r->staged_exact = r->transport == Transport::kStaged && total.n[GroupVotes::kExactSizes] == R;
   }
 }
 
