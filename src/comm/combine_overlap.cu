@@ -71,17 +71,28 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     const int warps = reduce_blocks * W;
     const int pieces = max(min(a.min_pieces, max_pieces_of(nvec)), pieces_for(slots, warps, nvec, a.max_pieces));
     const int span = R * kArrivalChunk;  // slots of one chunk index
+    // The queue: slots by chunk index, each in `pieces` pieces, those of the last tail_chunks chunk
+    // indices in finer ones (the last items bound when the slowest warp is done).
+    PieceQueue queue;
+    queue.items = maxc * span;
+    queue.head = max(0, maxc - a.tail_chunks) * span;
+    queue.pieces = pieces;
+    // Only where the queue holds more entries than warps: with fewer, every warp has one at most,
+    // and finer pieces would give some a second.
+    const bool tail = static_cast<int64_t>(queue.items) * pieces >= warps;
+    queue.tail_pieces = tail ? max(pieces, min(a.tail_pieces, max_pieces_of(nvec))) : pieces;
     // A warp's first item is its index; each further one is its index plus the warps, or, with
     // claim_items (the default outside decode sizes), the next unclaimed item. Partials differ in
     // their rows (0 to K on a rank), so a fixed stride can leave some warps with far more rows than
     // others; claiming hands the next item to whichever warp is free. Lane 0 claims the next item as
     // it starts one, so the atomic's latency hides behind the work.
-    const int items = maxc * span * pieces;
+    const int entries = queue.length();
     int claimed = 0;
-    for (int q = blockIdx.x * W + warp; q < items;
+    for (int q = blockIdx.x * W + warp; q < entries;
          q = a.claim_items ? __shfl_sync(0xffffffffu, claimed, 0) : q + warps) {
       if (a.claim_items && lane == 0) claimed = warps + static_cast<int>(atomicAdd(work_counter(g), 1u));
-      const int item = q / pieces, piece = q % pieces;
+      int item, piece, of;
+      queue.at(q, item, piece, of);
       const int c = item / span, within = item % span;
       const int s = (g.rank + 1 + within / kArrivalChunk) % R;
       const int slot = c * kArrivalChunk + within % kArrivalChunk;
@@ -91,13 +102,15 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
         __syncwarp();  // lane 0's acquire before every lane's stores
       }
       if (q == static_cast<int>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
-      reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, pieces, piece));
-      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / pieces);
+      reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, of, piece));
+      if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / of);
     }
   } else {
+    // The sums: token t's pieces wait for the chunks holding its slots on every rank it went to.
     const int warps = (gridDim.x - reduce_blocks) * W;
-    const int pieces = pieces_for(a.T, warps, nvec, a.max_pieces);
-    for (int q = (blockIdx.x - reduce_blocks) * W + warp; q < a.T * pieces; q += warps) {
+    const int pieces = max(min(a.sum_min_pieces, max_pieces_of(nvec)), pieces_for(a.T, warps, nvec, a.max_pieces));
+    const int first = (blockIdx.x - reduce_blocks) * W + warp;
+    for (int q = first; q < a.T * pieces; q += warps) {
       const int64_t t = q / pieces;
       const int piece = q % pieces;
       for (int d = lane; d < R; d += 32) slot_s[warp][d] = a.token_slot[t * R + d];
@@ -114,7 +127,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
       }
       __syncwarp();  // lane 0's acquire before every lane's reads
       ok = __shfl_sync(0xffffffffu, ok, 0);
-      if (q == (static_cast<int>(blockIdx.x) - reduce_blocks) * W) EPX_STAMP(kTlFirst);
+      if (q == first) EPX_STAMP(kTlFirst);
       if (ok)
         sum_partials<T, N>(a, t, lane, slot_s[warp], true, piece_range(nvec, pieces, piece));
     }
@@ -199,10 +212,35 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   // H=4096, E=64: 142 / 142 / 151 / 166 us. Under a 32-SM budget (~11 partials a warp) two took 496
   // against 474 us.
   static const int min_pieces = overlap_knob("EPX_COMBINE_MIN_PIECES", 0);  // 0: the defaults above
+  // The end of the op: without an SM budget each token's sum goes over at least two warps on two
+  // ranks (EPX_COMBINE_SUM_MIN_PIECES), and the partials of the last chunk indices, about one slot per
+  // reduce warp (EPX_COMBINE_TAIL_CHUNKS), over at least three (EPX_COMBINE_TAIL_PIECES): the op ends
+  // when the slowest warp's last item does, and the last sums wait for the last partials, so smaller
+  // items there shorten the tail without paying a piece's release on every partial. 2 x H200, T=4096,
+  // H=7168, three rounds (us): neither 220.9 / 222.2 / 220.0; sums in two 218.0 / 217.8 / 216.7; with
+  // the last 128 chunk indices in three pieces 214.0 / 215.2 / 214.2 (T=8192 404 -> 397, T=2048
+  // 129 -> 125, H=4096, E=64 137.5 -> 136.2, T=128 level); sums in four, or three with the tail,
+  // 217-220; the tail in four 214-215, in three over 256 chunk indices 215-217. With the tail
+  // limited to queues of more entries than warps (at T=512 it had cost 46 -> 52 us): T=4096 220.9 ->
+  // 214.5, T=2048 129.9 -> 124.2, T=1024 82.5 -> 76.9, T=512 and 256 level. At 4 ranks (4 x H200,
+  // one process) two-piece sums cost 2-3 us at T=4096 and T=2048 (535 / 294 against 532 / 292 us) and
+  // the tail alone was level there (533 / 295), T=1024 164.9 -> 158.9 with both: sums in two pieces
+  // only on 2 ranks. Under a budget neither (not measured there).
+  static const int tail_chunks_env = overlap_knob("EPX_COMBINE_TAIL_CHUNKS", 0);  // 0: the default above
+  static const int tail_pieces_env = overlap_knob("EPX_COMBINE_TAIL_PIECES", 0);
+  static const int sum_pieces_env = overlap_knob("EPX_COMBINE_SUM_MIN_PIECES", 0);
+  const bool budget = g.sm_budget > 0;
+  const int span = g.R * kArrivalChunk;  // slots of one chunk index
+  const int tail_chunks = tail_chunks_env > 0 ? tail_chunks_env : budget ? 0 : reduce * W / span;
+  const int tail_pieces = tail_pieces_env > 0 ? tail_pieces_env : budget ? 1 : 3;
+  const int sum_min_pieces = sum_pieces_env > 0 ? sum_pieces_env : budget || g.R > 2 ? 1 : 2;
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
   ra.min_pieces = min_pieces > 0 ? min_pieces : g.sm_budget > 0 ? 1 : 2;
   ra.claim_items = claim;
+  ra.tail_chunks = tail_chunks;
+  ra.tail_pieces = tail_pieces;
+  ra.sum_min_pieces = sum_min_pieces;
   ra.inline_barrier = inline_barrier;
   cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W>, reduce + sum,
                               W * 32, 0, stream, ra, reduce);

@@ -186,6 +186,9 @@ struct ReduceArgs {
   int max_pieces = 1;            // the overlapped combine: warps a row may be split over
   int min_pieces = 1;            // the overlapped combine: warps each partial is split over at least
   bool claim_items = false;      // the overlapped combine: partial items claimed from work_counter
+  int tail_chunks = 0;           // the overlapped combine: the partials of the last this many chunk
+  int tail_pieces = 1;           //   indices split over at least tail_pieces warps
+  int sum_min_pieces = 1;        // the overlapped combine: warps each token's sum is split over at least
   bool inline_barrier = false;   // the overlapped combine: the op's opening barrier is in its launch
 };
 

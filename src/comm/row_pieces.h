@@ -51,4 +51,30 @@ EPX_HOST_DEVICE inline VecRange piece_range(int64_t nvec, int pieces, int piece)
   return VecRange{begin, begin + per < nvec ? begin + per : nvec};
 }
 
+/// A queue of `items` rows split into pieces: the first `head` rows in `pieces` pieces each, the rest
+/// (the queue's tail) in `tail_pieces`. The overlapped combine hands its partials out in this order;
+/// finer pieces at the end shorten the wait for the last warps' rows without paying the extra
+/// per-piece release on every row.
+struct PieceQueue {
+  int items = 0, head = 0, pieces = 1, tail_pieces = 1;
+
+  /// Entries in the queue: one per (row, piece).
+  EPX_HOST_DEVICE int length() const { return head * pieces + (items - head) * tail_pieces; }
+
+  /// Entry q (0 <= q < length()): its row, its piece and how many pieces that row has.
+  EPX_HOST_DEVICE void at(int q, int& item, int& piece, int& of) const {
+    const int head_entries = head * pieces;
+    if (q < head_entries) {
+      item = q / pieces;
+      piece = q % pieces;
+      of = pieces;
+    } else {
+      const int r = q - head_entries;
+      item = head + r / tail_pieces;
+      piece = r % tail_pieces;
+      of = tail_pieces;
+    }
+  }
+};
+
 }  // namespace epx::comm

@@ -4,6 +4,8 @@
 // index arithmetic, so it runs everywhere; the GPU suites check the combine's results.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "comm/row_pieces.h"
 
 namespace epx::comm {
@@ -73,6 +75,43 @@ TEST(RowPieces, EveryPieceCountDividesTheArrivalUnit) {
     EXPECT_EQ(kArrivalUnit % pieces, 0u) << pieces;
     EXPECT_EQ(kArrivalUnit / pieces * pieces, kArrivalUnit) << pieces;
   }
+}
+
+
+TEST(RowPieces, QueueHandsOutEveryPieceOfEveryRowOnce) {
+  // The combine's reduce queue: rows in order, the head in `pieces` pieces, the tail in finer ones;
+  // every (row, piece) exactly once, pieces of a row consecutive, and each row's share of the arrival
+  // (kArrivalUnit / of) adds up to one unit.
+  for (int items : {0, 1, 7, 64, 8192})
+    for (int head : {0, 1, items / 2, items})
+      for (int pieces : {1, 2, 3})
+        for (int tail : {1, 2, 4, 8}) {
+          if (head > items) continue;
+          const PieceQueue q{items, head, pieces, tail};
+          std::vector<int> seen(static_cast<size_t>(items) * kMaxPieces, 0);
+          std::vector<uint32_t> units(static_cast<size_t>(items), 0);
+          int last_item = -1, last_piece = -1;
+          for (int e = 0; e < q.length(); ++e) {
+            int item = -1, piece = -1, of = 0;
+            q.at(e, item, piece, of);
+            ASSERT_GE(item, 0);
+            ASSERT_LT(item, items);
+            ASSERT_EQ(of, item < head ? pieces : tail) << "items " << items << " head " << head << " entry " << e;
+            ASSERT_LT(piece, of);
+            if (item == last_item) ASSERT_EQ(piece, last_piece + 1);
+            else ASSERT_EQ(piece, 0);
+            ASSERT_GE(item, last_item);
+            last_item = item;
+            last_piece = piece;
+            ++seen[static_cast<size_t>(item) * kMaxPieces + piece];
+            units[static_cast<size_t>(item)] += kArrivalUnit / of;
+          }
+          for (int i = 0; i < items; ++i) {
+            ASSERT_EQ(units[static_cast<size_t>(i)], kArrivalUnit) << "row " << i;
+            const int of = i < head ? pieces : tail;
+            for (int p = 0; p < of; ++p) ASSERT_EQ(seen[static_cast<size_t>(i) * kMaxPieces + p], 1);
+          }
+        }
 }
 
 }  // namespace
