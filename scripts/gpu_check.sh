@@ -38,6 +38,10 @@
 # mixtral), the two builds' order swapped every round, AB_ARGS added to every run; AB_PROFILE=1 adds
 # one EPX_PROFILE run of each. ab.jsonl (and ab_profile.jsonl) carry a "build" field; the summary gives
 # each preset's mean times and this build's ratio to the base, and with AB_PROFILE the phases that moved.
+# epab times bench_ep variants (environment settings, or the abbuild step's base build) in one call: see
+# the step for EPAB_VARIANTS, EPAB_SHAPES and EPAB_ROUNDS, e.g.
+#   EPAB_VARIANTS="base:- this:- off:EPX_COMBINE_TAIL_PIECES=1" scripts/gpu_check.sh build abbuild epab
+# (abbuild also builds the base's bench_ep).
 # pipeline benches the layer's chunked pipeline and communication overlap (PIPELINES, see the step).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
@@ -104,7 +108,7 @@ if has abbuild; then
     t0=$(date +%s)
     if cmake -S .carry/base -B "$BASE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
          -DEPX_CUTLASS_DIR="$PWD/.carry/cutlass/include" "${gt[@]}" >"$OUT/build_base.log" 2>&1 &&
-       cmake --build "$BASE_BUILD" -j "$JOBS" --target epx_cli >>"$OUT/build_base.log" 2>&1; then
+       cmake --build "$BASE_BUILD" -j "$JOBS" --target epx_cli bench_ep >>"$OUT/build_base.log" 2>&1; then
       summary "abbuild: base $(cut -c1-12 .carry/base/.ab_commit) ok in $(( $(date +%s) - t0 )) s"
     else
       grep -E "error|Error" -A4 "$OUT/build_base.log" | head -30
@@ -403,6 +407,48 @@ if has profile; then
     >"$OUT/profile.jsonl" 2>"$OUT/profile.err" || summary "profile failed rc=$?"
   cat "$OUT/profile.jsonl"
 fi
+if has epab; then
+  # bench_ep variants in one call, rounds in swapped order: EPAB_VARIANTS="name:VAR=VAL,VAR=VAL ..." ("-": no
+  # variables; a name starting with "base" runs the abbuild step's bench_ep), EPAB_SHAPES="T:H:E[:SMS] ..."
+  # (SMS: the SM budget, default 0 = none), EPAB_ROUNDS (default 2). Zero-copy only; epab.jsonl tags each
+  # line with its variant and round, and the summary gives each shape's prepare / dispatch / combine times.
+  : >"$OUT/epab.jsonl"
+  vs=(${EPAB_VARIANTS:-"this:-"})
+  for round in $(seq "${EPAB_ROUNDS:-2}"); do
+    order=("${vs[@]}")
+    if [ $((round % 2)) -eq 0 ]; then
+      order=()
+      for ((i = ${#vs[@]} - 1; i >= 0; i--)); do order+=("${vs[$i]}"); done
+    fi
+    for shape in ${EPAB_SHAPES:-4096:7168:256}; do
+      IFS=: read -r T H E SMS <<<"$shape"
+      for v in "${order[@]}"; do
+        name=${v%%:*} spec=${v#*:} bin=$BUILD/bin/bench_ep envs=()
+        [[ $name == base* ]] && bin=$BASE_BUILD/bin/bench_ep
+        [ "$spec" != "-" ] && IFS=',' read -ra envs <<<"$spec"
+        env "${envs[@]}" timeout 120 "$bin" --tokens "$T" --hidden "$H" --experts "$E" --sms "${SMS:-0}" \
+          --transport zerocopy 2>>"$OUT/epab.err" | grep '^{' |
+          sed "s/^{/{\"variant\":\"$name\",\"round\":$round,/" >>"$OUT/epab.jsonl"
+      done
+    done
+  done
+  python3 - "$OUT/epab.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import collections, json, sys
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    try:
+        d = json.loads(line)
+    except ValueError:
+        continue
+    if d.get("op") == "dispatch+combine":
+        runs[(d["tokens"], d["hidden"], d["experts"], d.get("sm_budget", 0), d["variant"])].append(d)
+for key in sorted(runs):
+    f = lambda k: " / ".join("%.1f" % d[k] for d in runs[key] if k in d)
+    print("epab T=%d H=%d E=%d sms=%d %s:" % key, "prepare", f("prepare_us"), "| dispatch", f("dispatch_us"),
+          "| combine", f("combine_us"), "(graph", f("combine_graph_us") + ") | combine_backward", f("combine_backward_us"))
+PY
+fi
+
 if has ab; then
   base_tag="base:$(cut -c1-12 .carry/base/.ab_commit 2>/dev/null || echo unknown)"
   ab_run() {  # ab_run SIDE ROUND PRESET FILE [env...]: one `epx bench layer`, its lines tagged with the build
