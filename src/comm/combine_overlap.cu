@@ -236,7 +236,7 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   const int sum_min_pieces = sum_pieces_env > 0 ? sum_pieces_env : budget || g.R > 2 ? 1 : 2;
   ReduceArgs ra = a;
   ra.max_pieces = max_pieces;
-  ra.min_pieces = min_pieces > 0 ? min_pieces : g.sm_budget > 0 ? 1 : 2;
+  ra.min_pieces = min_pieces > 0 ? min_pieces : budget ? 1 : 2;
   ra.claim_items = claim;
   ra.tail_chunks = tail_chunks;
   ra.tail_pieces = tail_pieces;

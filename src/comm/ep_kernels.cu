@@ -26,8 +26,8 @@
 
 #include "comm/ep_device.cuh"
 #include "comm/signal.cuh"
-#include "cuda/common/cuda_check.h"
 #include "core/env_choice.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dtype_cuda.cuh"
 #include "cuda/common/row_reduce_tuning.h"

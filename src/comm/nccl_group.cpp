@@ -309,17 +309,17 @@ GroupVotes votes_of(const Choice& c) {
   return v;
 }
 
-// The votes of this process's ranks summed over every rank of the group with one small ncclAllReduce.
-GroupVotes allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices) {
+// The votes of this process's ranks (`mine`, one per rank) summed over every rank of the group with
+// one small ncclAllReduce.
+GroupVotes allreduce_votes(std::vector<RankResources*>& ranks, const std::vector<GroupVotes>& mine) {
   const size_t n = ranks.size();
   constexpr int kWords = GroupVotes::kCount;
   std::vector<Tensor> votes(n);
   std::vector<cudaStream_t> streams(n, nullptr);
   for (size_t i = 0; i < n; ++i) {
     DeviceGuard g(ranks[i]->device);
-    const GroupVotes v = votes_of(choices[i]);
     votes[i] = Tensor::empty({kWords}, DType::kI32, Device::cuda(ranks[i]->device));
-    EPX_CUDA_CHECK(cudaMemcpy(votes[i].data(), v.n.data(), sizeof(int32_t) * kWords, cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaMemcpy(votes[i].data(), mine[i].n.data(), sizeof(int32_t) * kWords, cudaMemcpyHostToDevice));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
   }
   nccl_check(ncclGroupStart(), "ncclGroupStart");
@@ -344,12 +344,13 @@ GroupVotes allreduce_votes(std::vector<RankResources*>& ranks, const std::vector
 // over the group (one small collective, at creation only).
 void agree_on_transport(std::vector<RankResources*>& ranks, const std::vector<Choice>& choices, const char* fn) {
   const int R = ranks[0]->size;
+  std::vector<GroupVotes> mine;
   GroupVotes total;
   for (const Choice& c : choices) {
-    const GroupVotes v = votes_of(c);
-    for (int i = 0; i < GroupVotes::kCount; ++i) total.n[i] += v.n[i];
+    mine.push_back(votes_of(c));
+    for (int i = 0; i < GroupVotes::kCount; ++i) total.n[i] += mine.back().n[i];
   }
-  if (static_cast<int>(ranks.size()) < R) total = allreduce_votes(ranks, choices);
+  if (static_cast<int>(ranks.size()) < R) total = allreduce_votes(ranks, mine);
   for (const Choice& c : choices)
     if (!c.error.empty()) throw Error(Status::kNotSupported, detail::concat(fn, ": ", c.error));
   check_group_votes(total, R, fn);
