@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "comm/ep_device.cuh"
 #include "comm/ep_timeline.cuh"
@@ -42,8 +43,9 @@ namespace {
 EPX_TIMELINE_BUFFER()
 
 // W warps per block: kWarps, three blocks per SM (register cap 85); kBudgetCombineWarps under an SM
-// budget, one block per SM with the same register cap.
-template <class T, int N, int W>
+// budget, one block per SM with the same register cap. A partial's loads in flight per lane: kRows
+// rows x kUnroll vectors (weighted_row_sum).
+template <class T, int N, int W, int kRows, int kUnroll>
 __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
     combine_overlap_kernel(const __grid_constant__ ReduceArgs a, int reduce_blocks) {
   __shared__ int32_t rows_s[W][kMaxK];
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? 3 : 1)
         __syncwarp();  // lane 0's acquire before every lane's stores
       }
       if (q == static_cast<int>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
-      reduce_partial<T, N>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, of, piece));
+      reduce_partial<T, N, kRows, kUnroll>(a, s, slot, lane, rows_s[warp], w_s[warp], piece_range(nvec, of, piece));
       if (lane == 0) red_release_sys_add(arrival(g, s, g.rank, c), kArrivalUnit / of);
     }
   } else {
@@ -160,9 +162,9 @@ bool combine_items_claimed(bool default_claim) {
   return env < 0 ? default_claim : env == 1;
 }
 
-template <class T, int N, int W>
+template <class T, int N, int W, int kRows = kReduceRows, int kUnroll = kReduceUnroll>
 bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
-  const int cap = resident_blocks<combine_overlap_kernel<T, N, W>>(W * 32);
+  const int cap = resident_blocks<combine_overlap_kernel<T, N, W, kRows, kUnroll>>(W * 32);
   const int sms = cuda::sm_count();
   // The partials are most of the work (K / R rows read per partial): they get every resident slot
   // the sums leave, up to three blocks per SM (EPX_COMBINE_REDUCE_PER_SM), the sums three blocks per
@@ -242,15 +244,34 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   ra.tail_pieces = tail_pieces;
   ra.sum_min_pieces = sum_min_pieces;
   ra.inline_barrier = inline_barrier;
-  cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W>, reduce + sum,
-                              W * 32, 0, stream, ra, reduce);
+  cuda::launch_after_previous("launch of combine_overlap_kernel", combine_overlap_kernel<T, N, W, kRows, kUnroll>,
+                              reduce + sum, W * 32, 0, stream, ra, reduce);
   return true;
+}
+
+// Under an SM budget the reduce warps of bf16 rows load kBudgetReduceRows rows x kReduceUnroll vectors
+// per lane before adding (EPX_COMBINE_BUDGET_LOADS=4x2, the default; 2x2 as without a budget, and as
+// fp16 / fp32 rows, whose instantiations would spill 152 / 44 bytes and were not measured).
+// Few SMs move bytes at the rate of the loads each keeps in flight (bench_sm_rates: a 4 -> 1 row sum
+// on 32 SMs of an H200, 16 warps each, 84 GB/s an SM with 2 vectors of each row per lane, 37 with 1).
+// 2 x H200, 32 SMs, T=4096 (us): H=7168 482 -> 426, H=4096, E=64 299 -> 267, T=128 level; the kernel
+// then spills 76 bytes at the register cap, outside its load groups. 16-warp blocks with 4 x 2 (no
+// spills, a third fewer warps) took 520 / 332 us.
+constexpr int kBudgetReduceRows = 4;
+
+bool budget_loads_wide() {
+  static const int env = ::epx::detail::env_choice("EPX_COMBINE_BUDGET_LOADS", {"4x2", "2x2"});
+  return env != 1;
 }
 
 template <class T, int N>
 bool launch(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
-  return a.g.sm_budget > 0 ? launch_warps<T, N, kBudgetCombineWarps>(a, inline_barrier, stream)
-                           : launch_warps<T, N, kWarps>(a, inline_barrier, stream);
+  if (a.g.sm_budget == 0) return launch_warps<T, N, kWarps>(a, inline_barrier, stream);
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N > 1) {  // measured for bf16 rows only
+    if (budget_loads_wide())
+      return launch_warps<T, N, kBudgetCombineWarps, kBudgetReduceRows, kReduceUnroll>(a, inline_barrier, stream);
+  }
+  return launch_warps<T, N, kBudgetCombineWarps>(a, inline_barrier, stream);
 }
 
 }  // namespace

@@ -374,7 +374,7 @@ __device__ __forceinline__ void zero_padding_rows(const ExpandArgs& a, int j, in
 // its K rows in slot order of weight x row, into the source's mailbox; the piece that starts the row
 // puts dispatch_backward's row-weight gradients into the slot's meta. rows_s / w_s: the warp's
 // shared scratch.
-template <class T, int N>
+template <class T, int N, int kRows = kReduceRows, int kUnroll = kReduceUnroll>
 __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int slot, int lane, int32_t* rows_s,
                                                float* w_s, VecRange r) {
   using P = Pack<T, N>;
@@ -392,7 +392,7 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   const int n = cuda::compact_rows(row, w, a.K, lane, rows_s, w_s);
   // kReduceUnroll vectors per lane of kReduceRows rows at a time: all their loads are issued before
   // the first add (the loop is load-latency bound otherwise).
-  cuda::weighted_row_sum<kReduceRows, kReduceUnroll>(static_cast<const P*>(a.rows_in), nvec, rows_s, w_s, n,
+  cuda::weighted_row_sum<kRows, kUnroll>(static_cast<const P*>(a.rows_in), nvec, rows_s, w_s, n,
                                                      a.row_weights != nullptr,
                                                      reinterpret_cast<P*>(out_row(g, s, slot, a.stride)), r.begin,
                                                      r.end, lane);
