@@ -390,12 +390,12 @@ __device__ __forceinline__ void reduce_partial(const ReduceArgs& a, int s, int s
   }
   // The slots' rows that live here, compacted in slot order (the others add nothing).
   const int n = cuda::compact_rows(row, w, a.K, lane, rows_s, w_s);
-  // kReduceUnroll vectors per lane of kReduceRows rows at a time: all their loads are issued before
-  // the first add (the loop is load-latency bound otherwise).
+  // kUnroll vectors per lane of kRows rows at a time (kReduceUnroll x kReduceRows unless the caller
+  // asks otherwise): all their loads are issued before the first add (the loop is load-latency bound
+  // otherwise).
   cuda::weighted_row_sum<kRows, kUnroll>(static_cast<const P*>(a.rows_in), nvec, rows_s, w_s, n,
-                                                     a.row_weights != nullptr,
-                                                     reinterpret_cast<P*>(out_row(g, s, slot, a.stride)), r.begin,
-                                                     r.end, lane);
+                                         a.row_weights != nullptr, reinterpret_cast<P*>(out_row(g, s, slot, a.stride)),
+                                         r.begin, r.end, lane);
   __syncwarp();
 }
 
