@@ -5,7 +5,8 @@
 //    or by bulk copies (one global -> shared load per row, then one shared -> global store per
 //    destination, `stages` rows in flight per warp);
 //  - "reduce_4_to_1": 4 scattered rows read and summed into one (the combine's partials), by
-//    register loads, `unroll` vectors of each of the 4 rows per lane in flight before the adds.
+//    register loads, `unroll` vectors of each of the 4 rows per lane in flight before the adds;
+//  - "reduce_2_to_1": the same with 2 rows (the combine's sums of two ranks' partials).
 // Rows of --row-bytes (default 14336: H = 7168 in bf16), --rows source rows (default 8192: what one
 // of two ranks receives at T = 4096). One CTA per SM (its dynamic shared memory leaves no room for a
 // second), so `sms` CTAs occupy exactly that many SMs. Bytes counted: read + written.
@@ -99,16 +100,17 @@ __global__ void expand_bulk_kernel(const char* src, char* dst, const int* map, i
   if (lane < kFan) bulk::wait_all();
 }
 
-template <int U>
+// kIn of the 4 mapped rows of each output row (4: a partial's rows, 2: a sum's two partials).
+template <int kIn, int U>
 __global__ void reduce_regs_kernel(const char* src, char* dst, const int* map, int rows, int row_bytes) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int n = row_bytes / 16;
   for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
     uint4* d = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * row_bytes);
     for (int v0 = lane; v0 < n; v0 += 32 * U) {
-      uint4 x[kFan][U];
+      uint4 x[kIn][U];
 #pragma unroll
-      for (int k = 0; k < kFan; ++k) {
+      for (int k = 0; k < kIn; ++k) {
         const uint4* s = reinterpret_cast<const uint4*>(src + static_cast<int64_t>(map[r * kFan + k]) * row_bytes);
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -118,7 +120,7 @@ __global__ void reduce_regs_kernel(const char* src, char* dst, const int* map, i
       for (int u = 0; u < U; ++u) {
         uint4 acc = x[0][u];
 #pragma unroll
-        for (int k = 1; k < kFan; ++k) {
+        for (int k = 1; k < kIn; ++k) {
           acc.x += x[k][u].x;
           acc.y += x[k][u].y;
           acc.z += x[k][u].z;
@@ -184,11 +186,14 @@ int main(int argc, char** argv) {
     EPX_CUDA_CHECK(cudaMemcpy(map, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice));
     const auto smem_attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
     EPX_CUDA_CHECK(cudaFuncSetAttribute(expand_regs_kernel<8>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<1>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<2>, smem_attr, kOneCtaSmem));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<4, 1>, smem_attr, kOneCtaSmem));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<4, 2>, smem_attr, kOneCtaSmem));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<2, 2>, smem_attr, kOneCtaSmem));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<2, 4>, smem_attr, kOneCtaSmem));
     EPX_CUDA_CHECK(cudaFuncSetAttribute(expand_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(prop.sharedMemPerBlockOptin)));
     const double bytes = static_cast<double>(src_bytes) * (1 + kFan);
+    const double sum_bytes = static_cast<double>(src_bytes) * 3;  // two rows read, one written
     auto time = [](const std::function<void()>& launch) {
       return bench::time_us([&](int) { launch(); }, 10, 5, 2);
     };
@@ -200,11 +205,17 @@ int main(int argc, char** argv) {
                time([&] { expand_regs_kernel<8><<<n, threads, kOneCtaSmem>>>(src, dst, map, rows, row_bytes); }), bytes,
                hbm);
         report("reduce_4_to_1", "registers", n, warps, 1,
-               time([&] { reduce_regs_kernel<1><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
+               time([&] { reduce_regs_kernel<4, 1><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
                bytes, hbm);
         report("reduce_4_to_1", "registers", n, warps, 2,
-               time([&] { reduce_regs_kernel<2><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
+               time([&] { reduce_regs_kernel<4, 2><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
                bytes, hbm);
+        report("reduce_2_to_1", "registers", n, warps, 2,
+               time([&] { reduce_regs_kernel<2, 2><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
+               sum_bytes, hbm);
+        report("reduce_2_to_1", "registers", n, warps, 4,
+               time([&] { reduce_regs_kernel<2, 4><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
+               sum_bytes, hbm);
       }
       for (const std::pair<int, int>& ws : std::vector<std::pair<int, int>>{{1, 4}, {2, 4}, {2, 7}, {4, 3}, {8, 2}}) {
         const int warps = ws.first, stages = ws.second;
