@@ -132,6 +132,15 @@ __global__ void reduce_regs_kernel(const char* src, char* dst, const int* map, i
   }
 }
 
+// One register-load sum shape: its kernel, the vectors of each row a lane loads before adding, and
+// the bytes one call moves.
+struct RegisterSum {
+  const char* op;
+  int unroll;
+  void (*kernel)(const char*, char*, const int*, int, int);
+  double bytes;
+};
+
 void report(const char* op, const char* kind, int sms, int warps, int depth, double us, double bytes, double hbm) {
   const double bps = bytes / (us * 1e-6);
   JsonLine()
@@ -186,14 +195,14 @@ int main(int argc, char** argv) {
     EPX_CUDA_CHECK(cudaMemcpy(map, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice));
     const auto smem_attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
     EPX_CUDA_CHECK(cudaFuncSetAttribute(expand_regs_kernel<8>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<4, 1>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<4, 2>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<2, 2>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(reduce_regs_kernel<2, 4>, smem_attr, kOneCtaSmem));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(expand_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(prop.sharedMemPerBlockOptin)));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(expand_bulk_kernel, smem_attr, static_cast<int>(prop.sharedMemPerBlockOptin)));
     const double bytes = static_cast<double>(src_bytes) * (1 + kFan);
     const double sum_bytes = static_cast<double>(src_bytes) * 3;  // two rows read, one written
+    const RegisterSum sums[] = {{"reduce_4_to_1", 1, reduce_regs_kernel<4, 1>, bytes},
+                                {"reduce_4_to_1", 2, reduce_regs_kernel<4, 2>, bytes},
+                                {"reduce_2_to_1", 2, reduce_regs_kernel<2, 2>, sum_bytes},
+                                {"reduce_2_to_1", 4, reduce_regs_kernel<2, 4>, sum_bytes}};
+    for (const RegisterSum& r : sums) EPX_CUDA_CHECK(cudaFuncSetAttribute(r.kernel, smem_attr, kOneCtaSmem));
     auto time = [](const std::function<void()>& launch) {
       return bench::time_us([&](int) { launch(); }, 10, 5, 2);
     };
@@ -204,18 +213,9 @@ int main(int argc, char** argv) {
         report("expand_1_to_4", "registers", n, warps, 8,
                time([&] { expand_regs_kernel<8><<<n, threads, kOneCtaSmem>>>(src, dst, map, rows, row_bytes); }), bytes,
                hbm);
-        report("reduce_4_to_1", "registers", n, warps, 1,
-               time([&] { reduce_regs_kernel<4, 1><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
-               bytes, hbm);
-        report("reduce_4_to_1", "registers", n, warps, 2,
-               time([&] { reduce_regs_kernel<4, 2><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
-               bytes, hbm);
-        report("reduce_2_to_1", "registers", n, warps, 2,
-               time([&] { reduce_regs_kernel<2, 2><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
-               sum_bytes, hbm);
-        report("reduce_2_to_1", "registers", n, warps, 4,
-               time([&] { reduce_regs_kernel<2, 4><<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }),
-               sum_bytes, hbm);
+        for (const RegisterSum& r : sums)
+          report(r.op, "registers", n, warps, r.unroll,
+                 time([&] { r.kernel<<<n, threads, kOneCtaSmem>>>(dst, src, map, rows, row_bytes); }), r.bytes, hbm);
       }
       for (const std::pair<int, int>& ws : std::vector<std::pair<int, int>>{{1, 4}, {2, 4}, {2, 7}, {4, 3}, {8, 2}}) {
         const int warps = ws.first, stages = ws.second;

@@ -21,9 +21,10 @@
 # (multigpu_staged_exact.log: the staged transport again with EPX_STAGED_SIZES=exact.)
 # MP_RANKS (default 2) sets the ranks of the multi-process suite; MP_RUNS="plain staged net exact"
 # picks which of its four runs happen ("mismatch" adds two ranks started with different zero-copy
-# protocol settings, which must both fail at creation naming the setting). EP_TOKENS="4096 128" makes epbench run bench_ep and the PyTorch
-# dispatch/combine at those token counts only (H=7168, E=256), on every local GPU: bench_ep with its
-# default budget of 32 SMs on both transports, without a budget (--sms 0), and staged with exact sizes.
+# protocol settings, which must both fail at creation naming the setting). EP_TOKENS="4096 128" makes
+# epbench run bench_ep and the PyTorch dispatch/combine at those token counts only (H=7168, E=256), on
+# every local GPU: bench_ep with its default budget of 32 SMs on both transports, without a budget
+# (--sms 0), and staged with exact sizes.
 # EP_LAUNCH=process runs bench_ep there one process per GPU (scripts/run_ranks.sh) instead of one
 # process driving every GPU.
 # EPX_* variables reach every step: `EPX_EP_BARRIER=launch scripts/gpu_check.sh build tests mptests`
@@ -445,7 +446,8 @@ for line in open(sys.argv[1]):
 for key in sorted(runs):
     f = lambda k: " / ".join("%.1f" % d[k] for d in runs[key] if k in d)
     print("epab T=%d H=%d E=%d sms=%d %s:" % key, "prepare", f("prepare_us"), "| dispatch", f("dispatch_us"),
-          "| combine", f("combine_us"), "(graph", f("combine_graph_us") + ") | combine_backward", f("combine_backward_us"))
+          "| combine", f("combine_us"), "(graph", f("combine_graph_us") + ")",
+          "| combine_backward", f("combine_backward_us"))
 PY
 fi
 

@@ -257,8 +257,6 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
 // 2 x H200, 32 SMs, T=4096 (us): H=7168 482 -> 426, H=4096, E=64 299 -> 267, T=128 level; the kernel
 // then spills 76 bytes at the register cap, outside its load groups. 16-warp blocks with 4 x 2 (no
 // spills, a third fewer warps) took 520 / 332 us.
-constexpr int kBudgetReduceRows = 4;
-
 bool budget_loads_wide() {
   static const int env = ::epx::detail::env_choice("EPX_COMBINE_BUDGET_LOADS", {"4x2", "2x2"});
   return env != 1;
