@@ -264,7 +264,15 @@ bool budget_loads_wide() {
 
 template <class T, int N>
 bool launch(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
-  if (a.g.sm_budget == 0) return launch_warps<T, N, kWarps>(a, inline_barrier, stream);
+  if (a.g.sm_budget == 0) {
+    // Trial (not measured): EPX_COMBINE_UNBUDGETED_LOADS=4x2 loads 4 rows x 2 vectors per lane in the
+    // unbudgeted kernel too.
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && N > 1) {
+      static const int env = ::epx::detail::env_choice("EPX_COMBINE_UNBUDGETED_LOADS", {"2x2", "4x2"});
+      if (env == 1) return launch_warps<T, N, kWarps, kBudgetReduceRows, kReduceUnroll>(a, inline_barrier, stream);
+    }
+    return launch_warps<T, N, kWarps>(a, inline_barrier, stream);
+  }
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N > 1) {  // measured for bf16 rows only
     if (budget_loads_wide())
       return launch_warps<T, N, kBudgetCombineWarps, kBudgetReduceRows, kReduceUnroll>(a, inline_barrier, stream);
