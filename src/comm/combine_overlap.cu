@@ -249,35 +249,31 @@ bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream)
   return true;
 }
 
-// Under an SM budget the reduce warps of bf16 rows load kBudgetReduceRows rows x kReduceUnroll vectors
-// per lane before adding (EPX_COMBINE_BUDGET_LOADS=4x2, the default; 2x2 as without a budget, and as
-// fp16 / fp32 rows, whose instantiations would spill 152 / 44 bytes and were not measured).
-// Few SMs move bytes at the rate of the loads each keeps in flight (bench_sm_rates: a 4 -> 1 row sum
-// on 32 SMs of an H200, 16 warps each, 84 GB/s an SM with 2 vectors of each row per lane, 37 with 1).
-// 2 x H200, 32 SMs, T=4096 (us): H=7168 482 -> 426, H=4096, E=64 299 -> 267, T=128 level; the kernel
-// then spills 76 bytes at the register cap, outside its load groups. 16-warp blocks with 4 x 2 (no
-// spills, a third fewer warps) took 520 / 332 us.
-bool budget_loads_wide() {
-  static const int env = ::epx::detail::env_choice("EPX_COMBINE_BUDGET_LOADS", {"4x2", "2x2"});
+// The reduce warps of bf16 rows load kWideReduceRows rows x kReduceUnroll vectors per lane before adding
+// (EPX_COMBINE_LOADS=4x2, the default; 2x2 as fp16 / fp32 rows, whose 4 x 2 instantiations would spill
+// 152 / 44 bytes and were not measured). The 4 x 2 kernels spill 76 bytes at their register caps, outside
+// their load groups. Few SMs move bytes at the rate of the loads each keeps in flight (bench_sm_rates: a
+// 4 -> 1 row sum on 32 SMs of an H200, 16 warps each, 84 GB/s an SM with 2 vectors of each row per lane,
+// 37 with 1; on 132 SMs 3.3 -> 4.1 TB/s between 33 and 65 KB of loads in flight per SM).
+// 2 x H200, T=4096, 2 x 2 -> 4 x 2 (us): under a 32-SM budget H=7168 482 -> 426, H=4096, E=64 299 -> 267,
+// T=128 level (16-warp blocks with 4 x 2, no spills and a third fewer warps, took 520 / 332); without a
+// budget, three rounds, eager (graph) H=7168 213.7 -> 210.6 (211.3 -> 207.5), H=4096, E=64 136.9 -> 132.5
+// (133.5 -> 130.5), T=1024 76.7 -> 73.3 (74.4 -> 71.1), T=128 19.8 -> 19.7 (18.0 -> 17.7).
+bool wide_loads() {
+  static const int env = ::epx::detail::env_choice("EPX_COMBINE_LOADS", {"4x2", "2x2"});
   return env != 1;
 }
 
 template <class T, int N>
 bool launch(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
-  if (a.g.sm_budget == 0) {
-    // Trial (not measured): EPX_COMBINE_UNBUDGETED_LOADS=4x2 loads 4 rows x 2 vectors per lane in the
-    // unbudgeted kernel too.
-    if constexpr (std::is_same_v<T, __nv_bfloat16> && N > 1) {
-      static const int env = ::epx::detail::env_choice("EPX_COMBINE_UNBUDGETED_LOADS", {"2x2", "4x2"});
-      if (env == 1) return launch_warps<T, N, kWarps, kBudgetReduceRows, kReduceUnroll>(a, inline_barrier, stream);
-    }
-    return launch_warps<T, N, kWarps>(a, inline_barrier, stream);
-  }
+  const bool budget = a.g.sm_budget > 0;
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N > 1) {  // measured for bf16 rows only
-    if (budget_loads_wide())
-      return launch_warps<T, N, kBudgetCombineWarps, kBudgetReduceRows, kReduceUnroll>(a, inline_barrier, stream);
+    if (wide_loads())
+      return budget ? launch_warps<T, N, kBudgetCombineWarps, kWideReduceRows, kReduceUnroll>(a, inline_barrier, stream)
+                    : launch_warps<T, N, kWarps, kWideReduceRows, kReduceUnroll>(a, inline_barrier, stream);
   }
-  return launch_warps<T, N, kBudgetCombineWarps>(a, inline_barrier, stream);
+  return budget ? launch_warps<T, N, kBudgetCombineWarps>(a, inline_barrier, stream)
+                : launch_warps<T, N, kWarps>(a, inline_barrier, stream);
 }
 
 }  // namespace

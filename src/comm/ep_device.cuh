@@ -24,10 +24,10 @@ constexpr int kWarps = kThreads / 32;
 // 2x2 303, 4x2 363, 1x4 283. T=128: 2x2 43.6 against 50.8 us for 1x2.
 constexpr int kReduceUnroll = 2;
 constexpr int kReduceRows = 2;
-// Under an SM budget (one 24-warp block per SM at a register cap of 85) the bf16 partials load 4 rows x
-// kReduceUnroll vectors per lane: few SMs move bytes at the rate of the loads each keeps in flight
-// (combine_overlap.cu has the measurements).
-constexpr int kBudgetReduceRows = 4;
+// The combine's reduce warps load 4 rows x kReduceUnroll vectors per lane for bf16 rows, with and without
+// an SM budget (EPX_COMBINE_LOADS; combine_overlap.cu has the measurements): few SMs move bytes at the rate
+// of the loads each keeps in flight, and all of them move more with more in flight.
+constexpr int kWideReduceRows = 4;
 constexpr int kSendUnroll = 8;
 constexpr int kSumUnroll = 4;
 constexpr int kFanoutUnroll = 8;
