@@ -45,17 +45,14 @@ struct OverlapArgs {
 };
 
 // Senders: the phased send kernel's loop over tokens, remote destinations only, plus the arrival.
-template <class V, int W, bool kClaim>
+template <class V, int W>
 __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t next) {
   __shared__ int32_t slot_s[W][kMaxR];
   const SendArgs& a = oa.send;
   const DeviceGroup& g = a.g;
   const int64_t nw = static_cast<int64_t>(oa.send_blocks) * W;
   uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
-  // kClaim: after its first token a warp takes the next unclaimed one from work_counter as it
-  // finishes the current one, so every warp stays busy until the tokens run out; by stride, warps
-  // hold whole tokens more or fewer than others and the op waits for the slowest.
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T;) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     bool any = false;
     for (int d = 0; d < g.R; ++d) {
       const int32_t sl = d == g.rank ? -1 : a.token_slot[t * g.R + d];
@@ -63,27 +60,23 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t ne
       any = any || sl >= 0;
     }
     __syncwarp();
-    if (any) {
-      if (oa.inline_barrier) {
-        if (lane == 0)
-          for (int d = 0; d < g.R; ++d)
-            if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOpDispatch);
-        __syncwarp();  // lane 0's acquire before every lane's stores
-      }
-      if (t == static_cast<int64_t>(blockIdx.x) * W) EPX_STAMP(kTlFirst);  // warp 0's first token
-      send_token<V>(a, t, lane, slot_s[warp]);
+    if (!any) continue;
+    if (oa.inline_barrier) {
+      if (lane == 0)
+        for (int d = 0; d < g.R; ++d)
+          if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOpDispatch);
+      __syncwarp();  // lane 0's acquire before every lane's stores
     }
+    if (t == static_cast<int64_t>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
+    send_token<V>(a, t, lane, slot_s[warp]);
     // Every lane's stores of this token are ordered before lane 0's release (send_token ends with a
-    // warp barrier). The claim goes first: its round trip overlaps the releases.
-    uint32_t claimed = 0;
+    // warp barrier).
     if (lane == 0) {
-      if (kClaim) claimed = atomicAdd(work_counter(g), 1u);
       for (int d = 0; d < g.R; ++d) {
         const int32_t sl = slot_s[warp][d];
         if (sl >= 0) red_release_sys_add(arrival(g, d, g.rank, sl / kArrivalChunk), kArrivalUnit);
       }
     }
-    t = kClaim ? nw + __shfl_sync(0xffffffffu, claimed, 0) : t + nw;
     __syncwarp();
   }
 }
@@ -220,7 +213,7 @@ __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, 
 // to three per SM's registers (85; the kernel needs 80), so the launcher's resident cap keeps room
 // for 64 senders and two expand blocks per SM; the kShared variant (decode) to two, for the
 // registers its row pieces need.
-template <class V, int W, bool kShared, bool kClaim>
+template <class V, int W, bool kShared>
 __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
     dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -230,7 +223,7 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   EPX_STAMP_GRID(a.send_blocks);
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
   EPX_STAMP(kTlBarrier);
-  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W, kClaim>(a, warp, lane, next);
+  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane, next);
   else expand_role<V, W, kShared>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
   EPX_STAMP(kTlRoleDone);
   cuda::allow_next_grid();
@@ -238,12 +231,11 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   __syncthreads();
   EPX_STAMP(kTlExit);
 #endif
-  if (!a.inline_barrier && !kShared && !kClaim) return;
-  // The last block to finish counts the op into the epoch (every block has read it by then), zeroes
-  // the send warps' token counter (every warp has made its last claim) and, where chunks were shared
-  // by several blocks, this rank's arrival counters (every block has finished waiting, so every
-  // arrival they count has landed; the next op's opening barrier orders the reset before any new
-  // arrival).
+  if (!a.inline_barrier && !kShared) return;
+  // The last block to finish counts the op into the epoch (every block has read it by then) and,
+  // where chunks were shared by several blocks, zeroes this rank's arrival counters (every block
+  // has finished waiting, so every arrival they count has landed; the next op's opening barrier
+  // orders the reset before any new arrival).
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -253,7 +245,6 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
         for (int i = 0; i < g.R * arrival_chunks(g.max_tokens); ++i) counters[i] = 0u;
       }
       *done_ticket(g) = 0u;
-      *work_counter(g) = 0u;
       if (a.inline_barrier) *g.epoch = next;
     }
   }
@@ -267,18 +258,11 @@ int expand_per_sm() {
   return n;
 }
 
-// EPX_DISPATCH_SEND_ITEMS=claim|stride (read once): send warps take their tokens after the first
-// from a counter (claim) or every n-th token (stride). Trial, not yet measured.
-bool send_tokens_claimed() {
-  static const int env = ::epx::detail::env_choice("EPX_DISPATCH_SEND_ITEMS", {"stride", "claim"});
-  return env == 1;
-}
-
-template <class V, int W, bool kShared, bool kClaim = false>
+template <class V, int W, bool kShared>
 bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inline_barrier, int expand_pieces,
                             cudaStream_t stream) {
   const DeviceGroup& g = sa.g;
-  const int cap = resident_blocks<dispatch_overlap_kernel<V, W, kShared, kClaim>>(W * 32);
+  const int cap = resident_blocks<dispatch_overlap_kernel<V, W, kShared>>(W * 32);
   // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
   // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
   // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
@@ -302,7 +286,7 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
        cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
   OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier};
-  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared, kClaim>,
+  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared>,
                               send + expand, W * 32, 0, stream, a);
   return true;
 }
@@ -319,16 +303,11 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
   const int64_t expand_warps =
       static_cast<int64_t>(g.sm_budget > 0 ? g.sm_budget : expand_per_sm() * cuda::sm_count()) * W;
   const int pieces = static_cast<int64_t>(sa.T) * g.R * 2 <= expand_warps ? cap : 1;
-  // Decode sizes (row pieces) keep their senders by stride: a warp has about one token there.
-  const bool claim = send_tokens_claimed();
-  if (vec) {
-    if (pieces > 1) return launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream);
-    return claim ? launch_dispatch_kernel<uint4, W, false, true>(sa, ea, inline_barrier, 1, stream)
-                 : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);
-  }
-  if (pieces > 1) return launch_dispatch_kernel<uint8_t, W, true>(sa, ea, inline_barrier, pieces, stream);
-  return claim ? launch_dispatch_kernel<uint8_t, W, false, true>(sa, ea, inline_barrier, 1, stream)
-               : launch_dispatch_kernel<uint8_t, W, false>(sa, ea, inline_barrier, 1, stream);
+  if (vec)
+    return pieces > 1 ? launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream)
+                      : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);
+  return pieces > 1 ? launch_dispatch_kernel<uint8_t, W, true>(sa, ea, inline_barrier, pieces, stream)
+                    : launch_dispatch_kernel<uint8_t, W, false>(sa, ea, inline_barrier, 1, stream);
 }
 
 }  // namespace

@@ -66,8 +66,8 @@ __device__ __forceinline__ uint32_t* done_ticket(const DeviceGroup& g) {
                                      arrival_bytes(g.R, g.max_tokens));
 }
 
-// The items of this rank's overlapped combine, or the tokens of its overlapped dispatch's send warps,
-// handed out so far past each warp's first (zero between launches: the last block resets it).
+// The items of this rank's overlapped combine handed out so far past each warp's first (zero between
+// launches: the last block resets it).
 __device__ __forceinline__ uint32_t* work_counter(const DeviceGroup& g) { return done_ticket(g) + 1; }
 
 // The prepares of this group so far (zero-copy; its parity picks the header copy).
