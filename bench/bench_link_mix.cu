@@ -1,14 +1,11 @@
 // What the GPU-to-GPU link carries when the copy engine and SM stores move bytes at the same time, so
-// that a transport splitting its rows between the two can be judged before it is built, and what it
-// carries while the receiving GPU's memory is busy with other work, as in the EP ops (the dispatch's
-// expansion, the combine's reduction). GPU d sends --mib MiB from its memory to GPU (d + 1) % n (peer
-// access; "both_ways": every GPU sends at once, as every rank does in the EP ops):
+// that a transport splitting its rows between the two can be judged before it is built. GPU d sends
+// --mib MiB from its memory to GPU (d + 1) % n (peer access; with --both-ways every GPU sends at once,
+// as every rank does in the EP ops):
 //  - "ce": one cudaMemcpyAsync of all the bytes;
 //  - "sm": a copy kernel of 16-byte register loads and stores on `sms` CTAs of 512 threads;
 //  - "ce+sm": the first `ce_fraction` of the bytes by the copy engine and the rest by the kernel, on
-//    two streams at once;
-//  - "sm+hbm": "sm" while every GPU also copies within its own memory on all its SMs (a third stream;
-//    "hbm_gbps": that copy's read + written bytes per second over the same time).
+//    two streams at once.
 // JSON lines: GB/s per direction (the slowest sender's), the best of 5 timings of 4 transfers each.
 //
 // usage: bench_link_mix [--mib N]
@@ -46,53 +43,9 @@ __global__ void __launch_bounds__(512) push_kernel(const uint4* __restrict__ src
 struct Sender {
   char* src = nullptr;
   char* dst = nullptr;  // on the next GPU
-  char* busy = nullptr;  // 2 x --mib of this GPU's own memory, copied from half to half by "sm+hbm"
-  cudaStream_t sm = nullptr, ce = nullptr, hbm = nullptr;
-  cudaEvent_t begin = nullptr, end = nullptr, fork = nullptr, ce_done = nullptr, hbm_begin = nullptr,
-              hbm_end = nullptr;
+  cudaStream_t sm = nullptr, ce = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr, fork = nullptr, ce_done = nullptr;
 };
-
-// GB/s per direction of `iters` SM-store transfers (`sms` CTAs) on every GPU while each GPU also runs
-// `hbm_iters` copies within its own memory on a third stream; *hbm_gbps: those copies' bytes read +
-// written per second (slowest GPU).
-double transfer_gbps_hbm_busy(std::vector<Sender>& ss, size_t bytes, int sms, int iters, int hbm_iters,
-                              double* hbm_gbps) {
-  const int n = static_cast<int>(ss.size());
-  int all_sms = 0;
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&all_sms, cudaDevAttrMultiProcessorCount, 0));
-  for (int d = 0; d < n; ++d) {
-    EPX_CUDA_CHECK(cudaSetDevice(d));
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  for (int d = 0; d < n; ++d) {
-    Sender& s = ss[d];
-    EPX_CUDA_CHECK(cudaSetDevice(d));
-    EPX_CUDA_CHECK(cudaEventRecord(s.hbm_begin, s.hbm));
-    for (int it = 0; it < hbm_iters; ++it)
-      push_kernel<<<all_sms, 512, 0, s.hbm>>>(reinterpret_cast<const uint4*>(s.busy),
-                                              reinterpret_cast<uint4*>(s.busy + bytes), bytes / 16);
-    EPX_CUDA_CHECK(cudaEventRecord(s.hbm_end, s.hbm));
-    EPX_CUDA_CHECK(cudaEventRecord(s.begin, s.sm));
-    for (int it = 0; it < iters; ++it)
-      push_kernel<<<sms, 512, 0, s.sm>>>(reinterpret_cast<const uint4*>(s.src), reinterpret_cast<uint4*>(s.dst),
-                                         bytes / 16);
-    EPX_CUDA_CHECK(cudaGetLastError());
-    EPX_CUDA_CHECK(cudaEventRecord(s.end, s.sm));
-  }
-  float slowest_ms = 0.0f, hbm_ms = 0.0f;
-  for (int d = 0; d < n; ++d) {
-    EPX_CUDA_CHECK(cudaSetDevice(d));
-    EPX_CUDA_CHECK(cudaEventSynchronize(ss[d].end));
-    EPX_CUDA_CHECK(cudaEventSynchronize(ss[d].hbm_end));
-    float ms = 0.0f;
-    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, ss[d].begin, ss[d].end));
-    slowest_ms = std::max(slowest_ms, ms);
-    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, ss[d].hbm_begin, ss[d].hbm_end));
-    hbm_ms = std::max(hbm_ms, ms);
-  }
-  *hbm_gbps = 2.0 * static_cast<double>(bytes) * hbm_iters / (hbm_ms * 1e-3) * 1e-9;
-  return static_cast<double>(bytes) * iters / (slowest_ms * 1e-3) * 1e-9;
-}
 
 // GB/s per direction of `iters` transfers by `senders` GPUs at once: the first ce_fraction of each
 // transfer's bytes by the copy engine, the rest by `sms` CTAs of push_kernel.
@@ -166,11 +119,6 @@ int main(int argc, char** argv) {
       EPX_CUDA_CHECK(cudaMemset(s.src, d + 1, bytes));
       EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.sm, cudaStreamNonBlocking));
       EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.ce, cudaStreamNonBlocking));
-      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.hbm, cudaStreamNonBlocking));
-      EPX_CUDA_CHECK(cudaMalloc(&s.busy, 2 * bytes));
-      EPX_CUDA_CHECK(cudaMemset(s.busy, 0, 2 * bytes));
-      EPX_CUDA_CHECK(cudaEventCreate(&s.hbm_begin));
-      EPX_CUDA_CHECK(cudaEventCreate(&s.hbm_end));
       EPX_CUDA_CHECK(cudaEventCreate(&s.begin));
       EPX_CUDA_CHECK(cudaEventCreate(&s.end));
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
@@ -203,21 +151,6 @@ int main(int argc, char** argv) {
       for (int sms : {16, 32, 64, prop.multiProcessorCount}) line("sm", both, sms, 0.0, best(senders, 0.0, sms));
       for (int sms : {16, 32, 64})
         for (double a : {0.4, 0.5, 0.6, 0.7}) line("ce+sm", both, sms, a, best(senders, a, sms));
-    }
-    // The link while every GPU's memory is busy: 30 HBM copies of --mib (60x the bytes of one transfer
-    // at ~10x the link's rate) outlast the 4 transfers.
-    for (int sms : {32, 64, prop.multiProcessorCount}) {
-      double hbm_gbps = 0.0, b = 0.0, h = 0.0;
-      transfer_gbps_hbm_busy(ss, bytes, sms, 1, 4, &hbm_gbps);  // warm-up
-      for (int r = 0; r < 3; ++r) {
-        const double g = transfer_gbps_hbm_busy(ss, bytes, sms, 4, 30, &hbm_gbps);
-        if (g > b) {
-          b = g;
-          h = hbm_gbps;
-        }
-      }
-      JsonLine().add("bench", "link_mix").add("mode", "sm+hbm").add("both_ways", true).add("sms", sms)
-          .add("gbps", b).add("hbm_gbps", h).print();
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_link_mix: %s\n", e.what());

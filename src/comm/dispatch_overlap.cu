@@ -44,97 +44,14 @@ struct OverlapArgs {
   bool inline_barrier;  // the op's opening barrier is in this launch (inline_barrier_begin)
 };
 
-// The expert rows token t of this rank feeds here (its slot to itself) into rows_s (-1: none), and, by
-// the piece that starts the row (lead), recv_row and the rows' weights. false (warp-uniform): the token
-// is not routed here.
-__device__ __forceinline__ bool own_token_rows(const OverlapArgs& oa, int64_t t, int lane, int32_t* rows_s, bool lead) {
-  const ExpandArgs& a = oa.expand;
-  const SendArgs& sa = oa.send;
-  const DeviceGroup& g = a.g;
-  const int K = a.K, me = g.rank;
-  const int32_t slot = sa.token_slot[t * g.R + me];
-  if (slot < 0) return false;
-  int32_t row = -1;
-  if (lane < K) {
-    const int32_t e = sa.routed[t * K + lane];
-    if (e >= 0 && e / g.Le == me) {
-      row = a.segment_starts[(e % g.Le) * g.R + me] + sa.pair_pos[t * K + lane];
-      if (a.out_weights && lead) a.out_weights[row] = sa.weights ? sa.weights[t * K + lane] : 0.0f;
-    }
-    if (lead) a.recv_row[(static_cast<int64_t>(me) * g.max_tokens + slot) * K + lane] = row;
-  }
-  rows_s[lane] = lane < K ? row : -1;
-  __syncwarp();
-  return true;
-}
-
-// Token t of this rank, routed here (its slot to itself), expanded straight from x: the same meta
-// and expert rows as a received slot, without the trip through the window. Vectors r of the row; the
-// piece that starts it (lead) also writes recv_row, the weights and the scales.
-template <class V>
-__device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t t, int lane, int32_t* rows_s,
-                                                 VecRange r, bool lead) {
-  const ExpandArgs& a = oa.expand;
-  const SendArgs& sa = oa.send;
-  if (!own_token_rows(oa, t, lane, rows_s, lead)) return;
-  copy_fanout<V>(sa.rows + t * sa.row_bytes, a.out, a.row_bytes, rows_s, a.K, lane, false, r);
-  if (a.scale_bytes && lead)
-    copy_fanout_short(sa.scales + t * sa.scale_bytes, a.out_scales, a.scale_bytes, rows_s, a.K, lane, false);
-  __syncwarp();
-}
-
-// send_token plus token t's own expert rows (own_rows, or null: none) from the same loads of its row:
-// x is read once for the link and this rank's experts, where the expand crews would read it again.
-template <class V>
-__device__ __forceinline__ void send_token_and_own_rows(const OverlapArgs& oa, int64_t t, int lane,
-                                                        const int32_t* slots, const int32_t* own_rows) {
-  const SendArgs& a = oa.send;
-  const ExpandArgs& ea = oa.expand;
-  const DeviceGroup& g = a.g;
-  const V* src = reinterpret_cast<const V*>(a.rows + t * a.row_bytes);
-  const int64_t n = a.row_bytes / static_cast<int64_t>(sizeof(V));
-  for (int64_t v0 = lane; v0 < n; v0 += 32 * kSendUnroll) {
-    V val[kSendUnroll];
-#pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u)
-      if (v0 + u * 32 < n) val[u] = src[v0 + u * 32];
-    for (int d = 0; d < g.R; ++d) {
-      const int32_t sl = slots[d];
-      if (sl < 0) continue;
-      V* dst = reinterpret_cast<V*>(out_row(g, d, sl, a.stride));
-#pragma unroll
-      for (int u = 0; u < kSendUnroll; ++u)
-        if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
-    }
-    if (own_rows != nullptr)
-      for (int k = 0; k < ea.K; ++k) {
-        const int32_t r = own_rows[k];
-        if (r < 0) continue;
-        V* dst = reinterpret_cast<V*>(ea.out + r * ea.row_bytes);
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u)
-          if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
-      }
-  }
-  send_token_scales_and_meta(a, t, lane, slots);
-  if (own_rows != nullptr && ea.scale_bytes)
-    copy_fanout_short(a.scales + t * a.scale_bytes, ea.out_scales, ea.scale_bytes, own_rows, ea.K, lane, false);
-  __syncwarp();
-}
-
 // Senders: the phased send kernel's loop over tokens, remote destinations only, plus the arrival.
-// kOwnRows: also this rank's own expert rows of each token, from the same loads (the expand crews
-// then skip this rank's chunks).
-template <class V, int W, bool kOwnRows>
+template <class V, int W>
 __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t next) {
   __shared__ int32_t slot_s[W][kMaxR];
-  __shared__ int32_t own_s[kOwnRows ? W : 1][kMaxK];
   const SendArgs& a = oa.send;
   const DeviceGroup& g = a.g;
   const int64_t nw = static_cast<int64_t>(oa.send_blocks) * W;
   uint64_t ready = 0;  // lane 0: the peers known to have reached this op (inline barrier)
-  // Past the recv capacity nothing is written (the expand crews' rule).
-  const bool write_own = kOwnRows && oa.expand.offsets[g.Le] <= g.recv_capacity;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * W + warp; t < a.T; t += nw) {
     bool any = false;
     for (int d = 0; d < g.R; ++d) {
@@ -143,18 +60,15 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t ne
       any = any || sl >= 0;
     }
     __syncwarp();
-    bool own = false;
-    if constexpr (kOwnRows) own = write_own && own_token_rows(oa, t, lane, own_s[warp], true);
-    if (!any && !own) continue;
-    if (any && oa.inline_barrier) {
+    if (!any) continue;
+    if (oa.inline_barrier) {
       if (lane == 0)
         for (int d = 0; d < g.R; ++d)
           if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOpDispatch);
       __syncwarp();  // lane 0's acquire before every lane's stores
     }
     if (t == static_cast<int64_t>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
-    if constexpr (kOwnRows) send_token_and_own_rows<V>(oa, t, lane, slot_s[warp], own ? own_s[warp] : nullptr);
-    else send_token<V>(a, t, lane, slot_s[warp]);
+    send_token<V>(a, t, lane, slot_s[warp]);
     // Every lane's stores of this token are ordered before lane 0's release (send_token ends with a
     // warp barrier).
     if (lane == 0) {
@@ -210,9 +124,38 @@ __device__ bool await_chunk(const DeviceGroup& g, int s, int c, uint32_t n, bool
   return ok_s[crew][word] != 0;
 }
 
+// Token t of this rank, routed here (its slot to itself), expanded straight from x: the same meta
+// and expert rows as a received slot, without the trip through the window. Vectors r of the row; the
+// piece that starts it (lead) also writes recv_row, the weights and the scales.
+template <class V>
+__device__ __forceinline__ void expand_own_token(const OverlapArgs& oa, int64_t t, int lane, int32_t* rows_s,
+                                                 VecRange r, bool lead) {
+  const ExpandArgs& a = oa.expand;
+  const SendArgs& sa = oa.send;
+  const DeviceGroup& g = a.g;
+  const int K = a.K, me = g.rank;
+  const int32_t slot = sa.token_slot[t * g.R + me];
+  if (slot < 0) return;  // warp-uniform
+  int32_t row = -1;
+  if (lane < K) {
+    const int32_t e = sa.routed[t * K + lane];
+    if (e >= 0 && e / g.Le == me) {
+      row = a.segment_starts[(e % g.Le) * g.R + me] + sa.pair_pos[t * K + lane];
+      if (a.out_weights && lead) a.out_weights[row] = sa.weights ? sa.weights[t * K + lane] : 0.0f;
+    }
+    if (lead) a.recv_row[(static_cast<int64_t>(me) * g.max_tokens + slot) * K + lane] = row;
+  }
+  rows_s[lane] = lane < K ? row : -1;
+  __syncwarp();
+  copy_fanout<V>(sa.rows + t * sa.row_bytes, a.out, a.row_bytes, rows_s, K, lane, false, r);
+  if (a.scale_bytes && lead)
+    copy_fanout_short(sa.scales + t * sa.scale_bytes, a.out_scales, a.scale_bytes, rows_s, K, lane, false);
+  __syncwarp();
+}
+
 // kShared: chunks may be split over several blocks (OverlapArgs::expand_pieces > 1), a kernel of its
 // own so that the default one keeps its registers.
-template <class V, int W, bool kShared, bool kOwnRows>
+template <class V, int W, bool kShared>
 __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, int warp, int lane) {
   __shared__ int32_t rows_s[W][kMaxK];
   const ExpandArgs& a = oa.expand;
@@ -251,7 +194,6 @@ __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, 
     const int c = static_cast<int>(item / R);
     const int s = (g.rank + 1 + static_cast<int>(item % R)) % R;
     const bool local = s == g.rank;
-    if (kOwnRows && local) continue;  // the senders wrote this rank's own rows
     const int count = local ? sa.T : a.recv_tokens[s];
     const int first = c * kArrivalChunk;
     if (first >= count) continue;  // block-uniform
@@ -271,7 +213,7 @@ __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, 
 // to three per SM's registers (85; the kernel needs 80), so the launcher's resident cap keeps room
 // for 64 senders and two expand blocks per SM; the kShared variant (decode) to two, for the
 // registers its row pieces need.
-template <class V, int W, bool kShared, bool kOwnRows>
+template <class V, int W, bool kShared>
 __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
     dispatch_overlap_kernel(const __grid_constant__ OverlapArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -281,8 +223,8 @@ __global__ void __launch_bounds__(W * 32, W == kWarps ? (kShared ? 2 : 3) : 1)
   EPX_STAMP_GRID(a.send_blocks);
   const uint32_t next = a.inline_barrier ? inline_barrier_begin(g) : 0;
   EPX_STAMP(kTlBarrier);
-  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W, kOwnRows>(a, warp, lane, next);
-  else expand_role<V, W, kShared, kOwnRows>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
+  if (static_cast<int>(blockIdx.x) < a.send_blocks) send_role<V, W>(a, warp, lane, next);
+  else expand_role<V, W, kShared>(a, blockIdx.x - a.send_blocks, gridDim.x - a.send_blocks, warp, lane);
   EPX_STAMP(kTlRoleDone);
   cuda::allow_next_grid();
 #ifdef EPX_EP_TIMELINE
@@ -316,18 +258,11 @@ int expand_per_sm() {
   return n;
 }
 
-// EPX_DISPATCH_OWN_ROWS=expanders|senders (read once): who writes this rank's own expert rows (trial,
-// not yet measured: the senders save a second read of x).
-bool own_rows_by_senders() {
-  static const int env = ::epx::detail::env_choice("EPX_DISPATCH_OWN_ROWS", {"expanders", "senders"});
-  return env == 1;
-}
-
-template <class V, int W, bool kShared, bool kOwnRows = false>
+template <class V, int W, bool kShared>
 bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inline_barrier, int expand_pieces,
                             cudaStream_t stream) {
   const DeviceGroup& g = sa.g;
-  const int cap = resident_blocks<dispatch_overlap_kernel<V, W, kShared, kOwnRows>>(W * 32);
+  const int cap = resident_blocks<dispatch_overlap_kernel<V, W, kShared>>(W * 32);
   // Under an SM budget (GroupConfig::num_sms) the senders get a share of it (EPX_DISPATCH_SEND_SHARE
   // percent, default 25: measured at 32 SMs, T=4096, H=7168 on 2 x H200 with 8-warp blocks, 25 /
   // 50 / 75 gave 483 / 700 / 1347 us) and the expanders the rest, one block per SM.
@@ -351,7 +286,7 @@ bool launch_dispatch_kernel(const SendArgs& sa, const ExpandArgs& ea, bool inlin
        cap - send}));
   if (expand < 1) return false;  // the grid could not be resident: the phased path
   OverlapArgs a{sa, ea, send, expand_pieces, inline_barrier};
-  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared, kOwnRows>,
+  cuda::launch_after_previous("launch of dispatch_overlap_kernel", dispatch_overlap_kernel<V, W, kShared>,
                               send + expand, W * 32, 0, stream, a);
   return true;
 }
@@ -368,13 +303,11 @@ bool launch_dispatch(const SendArgs& sa, const ExpandArgs& ea, bool vec, bool in
   const int64_t expand_warps =
       static_cast<int64_t>(g.sm_budget > 0 ? g.sm_budget : expand_per_sm() * cuda::sm_count()) * W;
   const int pieces = static_cast<int64_t>(sa.T) * g.R * 2 <= expand_warps ? cap : 1;
-  // Decode sizes (row pieces) and unvectorised rows keep the own rows with the expand crews.
-  if (!vec)
-    return pieces > 1 ? launch_dispatch_kernel<uint8_t, W, true>(sa, ea, inline_barrier, pieces, stream)
-                      : launch_dispatch_kernel<uint8_t, W, false>(sa, ea, inline_barrier, 1, stream);
-  if (pieces > 1) return launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream);
-  return own_rows_by_senders() ? launch_dispatch_kernel<uint4, W, false, true>(sa, ea, inline_barrier, 1, stream)
-                               : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);
+  if (vec)
+    return pieces > 1 ? launch_dispatch_kernel<uint4, W, true>(sa, ea, inline_barrier, pieces, stream)
+                      : launch_dispatch_kernel<uint4, W, false>(sa, ea, inline_barrier, 1, stream);
+  return pieces > 1 ? launch_dispatch_kernel<uint8_t, W, true>(sa, ea, inline_barrier, pieces, stream)
+                    : launch_dispatch_kernel<uint8_t, W, false>(sa, ea, inline_barrier, 1, stream);
 }
 
 }  // namespace

@@ -283,28 +283,6 @@ __device__ __forceinline__ void copy_short(char* dst, const char* src, int64_t b
   else copy_short_vec<uint8_t>(dst, src, bytes, lane);
 }
 
-// The part of send_token (below) after the row: token t's scales and (with_meta) routing meta into
-// the slot of every destination with slots[d] >= 0.
-__device__ __forceinline__ void send_token_scales_and_meta(const SendArgs& a, int64_t t, int lane,
-                                                           const int32_t* slots) {
-  const DeviceGroup& g = a.g;
-  for (int d = 0; d < g.R; ++d) {
-    const int32_t sl = slots[d];
-    if (sl < 0) continue;
-    char* row = out_row(g, d, sl, a.stride);
-    if (a.scale_bytes) copy_short(row + a.row_bytes, a.scales + t * a.scale_bytes, a.scale_bytes, lane);
-    if (a.with_meta && lane < a.K) {
-      const int32_t e = a.routed[t * a.K + lane];
-      const bool here = e >= 0 && e / g.Le == d;
-      RowMeta m;
-      m.local_expert = here ? e % g.Le : -1;
-      m.position = here ? a.pair_pos[t * a.K + lane] : 0;
-      m.weight = here && a.weights ? static_cast<double>(a.weights[t * a.K + lane]) : 0.0;
-      out_meta(g, d, sl)[lane] = m;
-    }
-  }
-}
-
 // Token t's row, its scales and (with_meta) its routing meta into the mailbox slot of every
 // destination with slots[d] >= 0 (one warp; the row is loaded once for all of them). Ends with a
 // warp barrier, so every lane's stores are ordered before what lane 0 does next.
@@ -329,7 +307,21 @@ __device__ __forceinline__ void send_token(const SendArgs& a, int64_t t, int lan
         if (v0 + u * 32 < n) dst[v0 + u * 32] = val[u];
     }
   }
-  send_token_scales_and_meta(a, t, lane, slots);
+  for (int d = 0; d < g.R; ++d) {
+    const int32_t sl = slots[d];
+    if (sl < 0) continue;
+    char* row = out_row(g, d, sl, a.stride);
+    if (a.scale_bytes) copy_short(row + a.row_bytes, a.scales + t * a.scale_bytes, a.scale_bytes, lane);
+    if (a.with_meta && lane < a.K) {
+      const int32_t e = a.routed[t * a.K + lane];
+      const bool here = e >= 0 && e / g.Le == d;
+      RowMeta m;
+      m.local_expert = here ? e % g.Le : -1;
+      m.position = here ? a.pair_pos[t * a.K + lane] : 0;
+      m.weight = here && a.weights ? static_cast<double>(a.weights[t * a.K + lane]) : 0.0;
+      out_meta(g, d, sl)[lane] = m;
+    }
+  }
   __syncwarp();
 }
 

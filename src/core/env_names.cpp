@@ -27,7 +27,7 @@ const std::vector<std::string>& known_env_names() {
         "EPX_COMBINE_REDUCE_PER_SM", "EPX_COMBINE_DECODE_REDUCE_PER_SM",
         "EPX_COMBINE_SUM_BLOCKS", "EPX_COMBINE_BUDGET_SUM_PER_MILLE", "EPX_COMBINE_PIECES",
         "EPX_COMBINE_TAIL_CHUNKS", "EPX_COMBINE_TAIL_PIECES", "EPX_COMBINE_SUM_MIN_PIECES",
-        "EPX_COMBINE_LOADS", "EPX_DISPATCH_OWN_ROWS",
+        "EPX_COMBINE_LOADS",
     };
     std::sort(v.begin(), v.end());
     return v;
