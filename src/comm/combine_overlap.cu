@@ -162,7 +162,7 @@ bool combine_items_claimed(bool default_claim) {
   return env < 0 ? default_claim : env == 1;
 }
 
-template <class T, int N, int W, int kRows = kReduceRows, int kUnroll = kReduceUnroll>
+template <class T, int N, int W, int kRows, int kUnroll>
 bool launch_warps(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
   const int cap = resident_blocks<combine_overlap_kernel<T, N, W, kRows, kUnroll>>(W * 32);
   const int sms = cuda::sm_count();
@@ -264,16 +264,19 @@ bool wide_loads() {
   return env != 1;
 }
 
+// kRows rows x kReduceUnroll vectors per lane, in the blocks of the group's SM budget (or of none).
+template <class T, int N, int kRows>
+bool launch_rows(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
+  return a.g.sm_budget > 0 ? launch_warps<T, N, kBudgetCombineWarps, kRows, kReduceUnroll>(a, inline_barrier, stream)
+                           : launch_warps<T, N, kWarps, kRows, kReduceUnroll>(a, inline_barrier, stream);
+}
+
 template <class T, int N>
 bool launch(const ReduceArgs& a, bool inline_barrier, cudaStream_t stream) {
-  const bool budget = a.g.sm_budget > 0;
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N > 1) {  // measured for bf16 rows only
-    if (wide_loads())
-      return budget ? launch_warps<T, N, kBudgetCombineWarps, kWideReduceRows, kReduceUnroll>(a, inline_barrier, stream)
-                    : launch_warps<T, N, kWarps, kWideReduceRows, kReduceUnroll>(a, inline_barrier, stream);
+    if (wide_loads()) return launch_rows<T, N, kWideReduceRows>(a, inline_barrier, stream);
   }
-  return budget ? launch_warps<T, N, kBudgetCombineWarps>(a, inline_barrier, stream)
-                : launch_warps<T, N, kWarps>(a, inline_barrier, stream);
+  return launch_rows<T, N, kReduceRows>(a, inline_barrier, stream);
 }
 
 }  // namespace
