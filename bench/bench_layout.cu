@@ -190,15 +190,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--topk")) K = std::atoi(argv[i + 1]);
   }
   try {
-    if (detail::cuda_device_count() == 0) {
-      JsonLine().add("bench", "layout").add("skipped", "no CUDA device visible").print();
-      return 0;
-    }
-    cudaDeviceProp prop{};
-    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double hbm = bench::measure_hbm_bytes_per_s();
-    JsonLine().add("bench", "layout").add("device", prop.name).add("sms", prop.multiProcessorCount)
-        .add("hbm_gbps", hbm * 1e-9).add("default_kernel", kernel_name(cuda::layout_kernel_in_use())).print();
+    bench::BenchDevice dev;
+    if (!bench::open_bench_device("layout", dev)) return 0;
+    const double hbm = dev.hbm;
+    bench::device_line("layout", dev).add("default_kernel", kernel_name(cuda::layout_kernel_in_use())).print();
     const cuda::LayoutKernel initial = cuda::layout_kernel_in_use();
     std::vector<LayoutShape> shapes;
     if (T) {

@@ -238,7 +238,9 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--align")) align = std::atoi(argv[i + 1]);
   }
   try {
-    const double hbm = bench::measure_hbm_bytes_per_s();
+    bench::BenchDevice dev;
+    if (!bench::open_bench_device("permute", dev)) return 0;
+    const double hbm = dev.hbm;
     JsonLine().add("impl", "epx").add("op", "hbm_copy").add("gb_per_s", hbm * 1e-9).print();
     if (T) {
       run_shape(T, H ? H : 7168, E ? E : 256, K ? K : 8, hbm);

@@ -231,16 +231,11 @@ void bench_small_ops(const Case& k, double hbm) {
 
 int main() {
   try {
-    if (epx::detail::cuda_device_count() == 0) {
-      epx::bench::JsonLine().add("bench", "router").add("skipped", "no CUDA device visible").print();
-      return 0;
-    }
-    cudaDeviceProp prop{};
-    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double hbm = epx::bench::measure_hbm_bytes_per_s();
+    epx::bench::BenchDevice dev;
+    if (!epx::bench::open_bench_device("router", dev)) return 0;
+    const double hbm = dev.hbm;
     const epx::cuda::RouterKernel initial = epx::cuda::router_kernel_in_use();
-    epx::bench::JsonLine().add("bench", "router").add("device", prop.name).add("sms", prop.multiProcessorCount)
-        .add("l2_bytes", prop.l2CacheSize).add("hbm_gbps", hbm / 1e9)
+    epx::bench::device_line("router", dev).add("l2_bytes", dev.prop.l2CacheSize)
         .add("default_kernel", epx::cuda::router_kernel_name(initial)).print();
 
     Case softmax;

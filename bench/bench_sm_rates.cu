@@ -172,15 +172,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (detail::cuda_device_count() == 0) {
-      JsonLine().add("bench", "sm_rates").add("skipped", "no CUDA device visible").print();
-      return 0;
-    }
-    cudaDeviceProp prop{};
-    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double hbm = bench::measure_hbm_bytes_per_s();
-    JsonLine().add("bench", "sm_rates").add("device", prop.name).add("sms", prop.multiProcessorCount)
-        .add("hbm_gbps", hbm * 1e-9).add("rows", rows).add("row_bytes", row_bytes).print();
+    bench::BenchDevice dev;
+    if (!bench::open_bench_device("sm_rates", dev)) return 0;
+    const cudaDeviceProp& prop = dev.prop;
+    const double hbm = dev.hbm;
+    bench::device_line("sm_rates", dev).add("rows", rows).add("row_bytes", row_bytes).print();
     const size_t src_bytes = static_cast<size_t>(rows) * row_bytes;
     char *src = nullptr, *dst = nullptr;
     int* map = nullptr;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device_memory.h"
 #include "cuda/common/cuda_check.h"
 #include "epx/tensor.h"
 
@@ -158,6 +159,32 @@ inline int rotation_for(size_t bytes) {
   cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
   const size_t want = 2 * static_cast<size_t>(l2);
   return static_cast<int>(std::max<size_t>(1, (want + bytes - 1) / bytes));
+}
+
+/// Device 0 as a single-GPU benchmark reports it.
+struct BenchDevice {
+  cudaDeviceProp prop{};
+  double hbm = 0;  // the HBM copy rate measured at opening, bytes per second
+};
+
+/// Device 0 and its measured HBM rate; false, after printing {"bench": name, "skipped": ...}, where no
+/// CUDA device is visible.
+inline bool open_bench_device(const char* name, BenchDevice& d) {
+  if (detail::cuda_device_count() == 0) {
+    JsonLine().add("bench", name).add("skipped", "no CUDA device visible").print();
+    return false;
+  }
+  EPX_CUDA_CHECK(cudaGetDeviceProperties(&d.prop, 0));
+  d.hbm = measure_hbm_bytes_per_s();
+  return true;
+}
+
+/// The first line of a benchmark's output: bench, device, sms and hbm_gbps; the caller adds its own
+/// fields and prints it.
+inline JsonLine device_line(const char* name, const BenchDevice& d) {
+  JsonLine j;
+  j.add("bench", name).add("device", d.prop.name).add("sms", d.prop.multiProcessorCount).add("hbm_gbps", d.hbm * 1e-9);
+  return j;
 }
 
 }  // namespace epx::bench
