@@ -137,11 +137,17 @@ using PtrArrayEpilogue = typename cutlass::epilogue::collective::CollectiveBuild
     16 / sizeof(ElementOut), EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<ElementOut, float, ElementC>>::CollectiveOp;
 
+// An SM90 block's shared memory (227 KB). The sm90 pointer-array kernels do not check their storage
+// against it at compile time; a kernel over it fails only at run time, in CUTLASS's initialize. The
+// forward's and dgrad's kernels (CooperativeOverwrite) use all of it.
+constexpr int kSm90SmemBytes = 232448;
+
 // What a launcher needs of a grouped kernel made of this mainloop and epilogue.
 template <class ProblemShape_, class Mainloop, class Epilogue>
 struct KernelTypes {
   using ProblemShape = ProblemShape_;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  static_assert(GemmKernel::SharedStorageSize <= kSm90SmemBytes, "the kernel's shared memory exceeds the SM's");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;
