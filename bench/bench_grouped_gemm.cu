@@ -3,8 +3,9 @@
 // fraction of the dense GEMM's rate; decode also the weight-read floor at the measured HBM speed.
 // Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
 // beside the shipped ones and counts the output elements where they differ.
-// usage: bench_grouped_gemm [--fp8 | --forward | --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]
-// EPX_BENCH_CASES="zipf_32_k7168_n2048,..." runs only the cases of those names.
+// usage: bench_grouped_gemm [--fp8 | --forward] [--cases NAME,NAME...]
+//        bench_grouped_gemm --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials
+// --cases runs only the cases of those names (a name no case has is an error that lists them).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -289,12 +290,32 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
 }
 #endif
 
-// EPX_BENCH_CASES="a,b": only the cases of those names (every case when unset or empty).
+// --cases a,b: only the cases of those names (every case without it). Every case name run() meets is
+// kept, so that a name of the list that none has can be reported with the ones there are.
+std::string g_cases;
+std::vector<std::string> g_case_names;
+
 bool case_selected(const char* name) {
-  const char* v = std::getenv("EPX_BENCH_CASES");
-  if (v == nullptr || *v == '\0') return true;
-  const std::string list = std::string(",") + v + ",";
+  g_case_names.push_back(name);
+  if (g_cases.empty()) return true;
+  const std::string list = "," + g_cases + ",";
   return list.find(std::string(",") + name + ",") != std::string::npos;
+}
+
+// The names of --cases that no case run() met, with the names there are; empty when all were found.
+std::string unknown_cases() {
+  std::string unknown, known;
+  size_t at = 0;
+  while (at <= g_cases.size() && !g_cases.empty()) {
+    const size_t comma = std::min(g_cases.find(',', at), g_cases.size());
+    const std::string name = g_cases.substr(at, comma - at);
+    if (!name.empty() && std::find(g_case_names.begin(), g_case_names.end(), name) == g_case_names.end())
+      unknown += (unknown.empty() ? "" : ", ") + name;
+    at = comma + 1;
+  }
+  if (unknown.empty()) return {};
+  for (const std::string& n : g_case_names) known += (known.empty() ? "" : ", ") + n;
+  return "--cases names " + unknown + ", which no case of this mode has; the cases: " + known;
 }
 
 // One shape: the grouped forward and the dense cuBLASLt GEMM of the same FLOPs, and for a backward
@@ -523,13 +544,32 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
 
 int main(int argc, char** argv) {
   try {
+    // The arguments first, so that a wrong one gets the usage wherever it runs.
+    const bool wgrad_only = argc == 4 && std::string(argv[1]) == "--wgrad";
+    std::vector<std::string> args(argv + 1, argv + argc);
+    for (size_t i = 0; !wgrad_only && i + 1 < args.size(); ++i)
+      if (args[i] == "--cases") {
+        g_cases = args[i + 1];
+        args.erase(args.begin() + static_cast<std::ptrdiff_t>(i), args.begin() + static_cast<std::ptrdiff_t>(i) + 2);
+        break;
+      }
+    g_fp8_only = args.size() == 1 && args[0] == "--fp8";
+    g_forward_only = args.size() == 1 && args[0] == "--forward";
+    if (!wgrad_only && !args.empty() && !g_fp8_only && !g_forward_only) {
+      std::fprintf(stderr, "usage: bench_grouped_gemm [--fp8 | --forward] [--cases NAME,NAME...]\n"
+                           "       bench_grouped_gemm --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials\n");
+      return 2;
+    }
     if (!cuda::grouped_gemm_available()) {
       std::fprintf(stderr, "bench_grouped_gemm: built without CUTLASS: skipped\n");
       return 0;
     }
+    bench::BenchDevice dev;
+    if (!bench::open_bench_device("grouped_gemm", dev)) return 0;
+    bench::device_line("grouped_gemm", dev).print();
     // --wgrad CASE SCHEDULE:OUT: one wgrad kernel on one shape, nothing else (profiling); --wgrad CASE
     // trials: every shipped wgrad kernel and the candidates (-DEPX_GEMM_TRIALS=ON).
-    if (argc == 4 && std::string(argv[1]) == "--wgrad") {
+    if (wgrad_only) {
       struct WgradCase {
         const char* arg;
         const char* name;
@@ -552,14 +592,7 @@ int main(int argc, char** argv) {
       run_wgrad_variants(found->name, std::vector<int>(found->groups, found->rows), found->K, found->N, argv[3]);
       return 0;
     }
-    g_fp8_only = argc == 2 && std::string(argv[1]) == "--fp8";
-    g_forward_only = argc == 2 && std::string(argv[1]) == "--forward";
-    if (argc != 1 && !g_fp8_only && !g_forward_only) {
-      std::fprintf(stderr, "usage: bench_grouped_gemm [--fp8 | --forward | --wgrad "
-                           "fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials]\n");
-      return 2;
-    }
-    const double hbm = bench::measure_hbm_bytes_per_s();
+    const double hbm = dev.hbm;
     run("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048, hbm, true);
     run("zipf_32_k7168_n2048", zipf_sizes(32, 32768, 1.2), 7168, 2048, hbm, false);
     // The same groups padded to 128-row blocks (a dispatch with align = 128): the contiguous FP8 kernel.
@@ -580,6 +613,7 @@ int main(int argc, char** argv) {
       run("dsv3_fc1_256x128_k7168_n4096", std::vector<int>(256, 128), 7168, 4096, hbm, true);
       run("dsv3_fc2_256x128_k2048_n7168", std::vector<int>(256, 128), 2048, 7168, hbm, true);
     }
+    if (const std::string unknown = unknown_cases(); !unknown.empty()) throw std::runtime_error(unknown);
     if (g_fp8_only || g_forward_only) return 0;
     run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096);
     run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168);
