@@ -226,14 +226,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (epx::detail::cuda_device_count() == 0) {
-    std::fprintf(stderr, "bench_quant: no CUDA device visible\n");
-    return 2;
-  }
   try {
-    cudaDeviceProp prop{};
-    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const double hbm = epx::bench::measure_hbm_bytes_per_s();
+    epx::bench::BenchDevice dev;
+    if (!epx::bench::open_bench_device("quant", dev)) return 0;
+    const cudaDeviceProp& prop = dev.prop;
+    const double hbm = dev.hbm;
     const double hbm_random = measure_random_copy_bytes_per_s();
     std::printf("{\"bench\":\"quant\",\"device\":\"%s\",\"sms\":%d,\"hbm_copy_GBps\":%.1f,\"random_copy_GBps\":%.1f}\n",
                 prop.name, prop.multiProcessorCount, hbm / 1e9, hbm_random / 1e9);
