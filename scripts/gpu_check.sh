@@ -6,7 +6,8 @@
 #
 # usage: scripts/gpu_check.sh [build] [ncu] [router] [tests] [mptests] [memcheck] [bench] [gemm] [fp8] [forward]
 #                            [epbench] [eptrace] [scaling]
-#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench] [abbuild] [ab] [pack]
+#                            [layer] [pipeline] [profile] [python] [pip] [pybench] [jaxbench] [abbuild] [ab] [gemmab]
+#                            [pack]
 #   (default: build tests memcheck bench; mptests and epbench need 2 GPUs; layer runs `epx demo`
 #   and `epx bench layer` on every GPU beside the PyTorch layer, writing demo.log and layer.jsonl)
 # BENCHES="bench_router bench_permute" narrows the bench step to those binaries; SKIP_TORCH_KERNELS=1
@@ -43,6 +44,11 @@
 # the step for EPAB_VARIANTS, EPAB_SHAPES and EPAB_ROUNDS, e.g.
 #   EPAB_VARIANTS="base:- this:- off:EPX_COMBINE_TAIL_PIECES=1" scripts/gpu_check.sh build abbuild epab
 # (abbuild also builds the base's bench_ep).
+# gemmab times bench_grouped_gemm of the abbuild step's base build and of this build in one call, rounds in
+# swapped order: GEMMAB_MODE (--fp8, the default, or --forward), GEMMAB_CASES (its --cases list, default the
+# DeepSeek-V3 FC1 / FC2 shapes with 256 rows an expert), GEMMAB_ROUNDS (default 2); gemmab.jsonl tags each
+# line with its build and round, and the summary gives each case's and schedule's times per build, e.g.
+#   scripts/ab_base.sh main; then on the GPU machine: scripts/gpu_check.sh build abbuild gemmab
 # pipeline benches the layer's chunked pipeline and communication overlap (PIPELINES, see the step).
 # SKIP_DEMO=1 leaves `epx demo` out of the layer step; TORCH_LAYER="deepseek-v3" narrows its
 # PyTorch layers (default: deepseek-v3 mixtral).
@@ -109,7 +115,7 @@ if has abbuild; then
     t0=$(date +%s)
     if cmake -S .carry/base -B "$BASE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
          -DEPX_CUTLASS_DIR="$PWD/.carry/cutlass/include" "${gt[@]}" >"$OUT/build_base.log" 2>&1 &&
-       cmake --build "$BASE_BUILD" -j "$JOBS" --target epx_cli bench_ep >>"$OUT/build_base.log" 2>&1; then
+       cmake --build "$BASE_BUILD" -j "$JOBS" --target epx_cli bench_ep bench_grouped_gemm >>"$OUT/build_base.log" 2>&1; then
       summary "abbuild: base $(cut -c1-12 .carry/base/.ab_commit) ok in $(( $(date +%s) - t0 )) s"
     else
       grep -E "error|Error" -A4 "$OUT/build_base.log" | head -30
@@ -448,6 +454,40 @@ for key in sorted(runs):
     print("epab T=%d H=%d E=%d sms=%d %s:" % key, "prepare", f("prepare_us"), "| dispatch", f("dispatch_us"),
           "| combine", f("combine_us"), "(graph", f("combine_graph_us") + ")",
           "| combine_backward", f("combine_backward_us"))
+PY
+fi
+
+if has gemmab; then
+  # Two binaries, so the rounds alternate them (the GEMMs run at the power cap, where the clock a run sees
+  # depends on what ran before it: only times of one round, or means over swapped rounds, compare).
+  : >"$OUT/gemmab.jsonl"
+  cases=${GEMMAB_CASES:-dsv3_fc1_128x256_k7168_n4096,dsv3_fc2_128x256_k2048_n7168}
+  for round in $(seq "${GEMMAB_ROUNDS:-2}"); do
+    order="base this"
+    [ $((round % 2)) -eq 0 ] && order="this base"
+    for side in $order; do
+      bin=$BUILD/bin/bench_grouped_gemm
+      [ "$side" = base ] && bin=$BASE_BUILD/bin/bench_grouped_gemm
+      timeout "${GEMM_TIMEOUT:-400}" "$bin" "${GEMMAB_MODE:---fp8}" --cases "$cases" 2>>"$OUT/gemmab.err" | grep '^{' |
+        sed "s/^{/{\"build\":\"$side\",\"round\":$round,/" >>"$OUT/gemmab.jsonl" ||
+        summary "gemmab: $side round $round failed"
+    done
+  done
+  python3 - "$OUT/gemmab.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import collections, json, sys
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    try:
+        d = json.loads(line)
+    except ValueError:
+        continue
+    if "time_us" in d and "case" in d:
+        t[(d["case"], d["op"], d.get("schedule", "-"), d["build"])].append(d["time_us"])
+for case, op, sched in sorted({k[:3] for k in t}):
+    base, this = t.get((case, op, sched, "base"), []), t.get((case, op, sched, "this"), [])
+    mean = lambda v: sum(v) / len(v) if v else float("nan")
+    print("gemmab %s %s %s: base %s | this %s | base/this %.3f" % (case, op, sched, " / ".join("%.1f" % x for x in base),
+          " / ".join("%.1f" % x for x in this), mean(base) / mean(this)))
 PY
 fi
 
