@@ -18,6 +18,7 @@
 #include <functional>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -292,27 +293,31 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
 
 // --cases a,b: only the cases of those names (every case without it). Every case name run() meets is
 // kept, so that a name of the list that none has can be reported with the ones there are.
-std::string g_cases;
+std::vector<std::string> g_cases;
 std::vector<std::string> g_case_names;
+
+std::vector<std::string> split_names(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream ss(list);
+  for (std::string name; std::getline(ss, name, ',');)
+    if (!name.empty()) out.push_back(name);
+  return out;
+}
+
+bool contains(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
 
 bool case_selected(const char* name) {
   g_case_names.push_back(name);
-  if (g_cases.empty()) return true;
-  const std::string list = "," + g_cases + ",";
-  return list.find(std::string(",") + name + ",") != std::string::npos;
+  return g_cases.empty() || contains(g_cases, name);
 }
 
 // The names of --cases that no case run() met, with the names there are; empty when all were found.
 std::string unknown_cases() {
   std::string unknown, known;
-  size_t at = 0;
-  while (at <= g_cases.size() && !g_cases.empty()) {
-    const size_t comma = std::min(g_cases.find(',', at), g_cases.size());
-    const std::string name = g_cases.substr(at, comma - at);
-    if (!name.empty() && std::find(g_case_names.begin(), g_case_names.end(), name) == g_case_names.end())
-      unknown += (unknown.empty() ? "" : ", ") + name;
-    at = comma + 1;
-  }
+  for (const std::string& name : g_cases)
+    if (!contains(g_case_names, name)) unknown += (unknown.empty() ? "" : ", ") + name;
   if (unknown.empty()) return {};
   for (const std::string& n : g_case_names) known += (known.empty() ? "" : ", ") + n;
   return "--cases names " + unknown + ", which no case of this mode has; the cases: " + known;
@@ -549,7 +554,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args(argv + 1, argv + argc);
     for (size_t i = 0; !wgrad_only && i + 1 < args.size(); ++i)
       if (args[i] == "--cases") {
-        g_cases = args[i + 1];
+        g_cases = split_names(args[i + 1]);
         args.erase(args.begin() + static_cast<std::ptrdiff_t>(i), args.begin() + static_cast<std::ptrdiff_t>(i) + 2);
         break;
       }
