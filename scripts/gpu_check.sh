@@ -43,7 +43,7 @@
 # epab times bench_ep variants (environment settings, or the abbuild step's base build) in one call: see
 # the step for EPAB_VARIANTS, EPAB_SHAPES and EPAB_ROUNDS, e.g.
 #   EPAB_VARIANTS="base:- this:- off:EPX_COMBINE_TAIL_PIECES=1" scripts/gpu_check.sh build abbuild epab
-# (abbuild also builds the base's bench_ep).
+# (abbuild also builds the base's bench_ep; BASE_TARGETS narrows what it builds, e.g. "bench_grouped_gemm").
 # gemmab times bench_grouped_gemm of the abbuild step's base build and of this build in one call, rounds in
 # swapped order: GEMMAB_MODE (--fp8, the default, or --forward), GEMMAB_CASES (its --cases list, default the
 # DeepSeek-V3 FC1 / FC2 shapes with 256 rows an expert), GEMMAB_ROUNDS (default 2); gemmab.jsonl tags each
@@ -115,7 +115,7 @@ if has abbuild; then
     t0=$(date +%s)
     if cmake -S .carry/base -B "$BASE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
          -DEPX_CUTLASS_DIR="$PWD/.carry/cutlass/include" "${gt[@]}" >"$OUT/build_base.log" 2>&1 &&
-       cmake --build "$BASE_BUILD" -j "$JOBS" --target epx_cli bench_ep bench_grouped_gemm >>"$OUT/build_base.log" 2>&1; then
+       cmake --build "$BASE_BUILD" -j "$JOBS" --target ${BASE_TARGETS:-epx_cli bench_ep bench_grouped_gemm} >>"$OUT/build_base.log" 2>&1; then
       summary "abbuild: base $(cut -c1-12 .carry/base/.ab_commit) ok in $(( $(date +%s) - t0 )) s"
     else
       grep -E "error|Error" -A4 "$OUT/build_base.log" | head -30
