@@ -55,9 +55,10 @@ const __nv_bfloat16* bias_of(const TensorRef& b) {
   return b.defined() ? static_cast<const __nv_bfloat16*>(b.data()) : nullptr;
 }
 
-// The activations are compute-heavy next to their memory traffic: the fast exponential (a few
-// ulp of fp32, far under the bf16 rounding of the result) and a correctly rounded reciprocal.
-__device__ __forceinline__ float sigmoid(float z) { return __frcp_rn(1.0f + __expf(-z)); }
+// The activation kernels are held by their instructions (bench/NOTES.md): the fast exponential and the
+// hardware reciprocal (a few ulp of fp32 each, far under the bf16 rounding of the results; 1 / x is 0
+// from x > 2^126 on, where the sigmoid is below 2^-126 anyway).
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.0f, 1.0f + __expf(-z)); }
 __device__ __forceinline__ float silu(float z) { return z * sigmoid(z); }
 __device__ __forceinline__ float gelu_tanh(float z) {
   return 0.5f * z * (1.0f + tanhf(0.7978845608028654f * (z + 0.044715f * z * z * z)));
@@ -130,16 +131,24 @@ __device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
 // One block per row (grid-stride): activation, or zeros on padding rows. With b_in [G, P, F] the
 // bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
 // unrounded sum. Each thread takes kActLanes consecutive columns (F and H multiples of it, rows
-// 16-byte aligned: what the grouped GEMMs' TMA needs too).
-__global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
+// 16-byte aligned: what the grouped GEMMs' TMA needs too). 256 threads, 4 blocks an SM (64 registers).
+__global__ void __launch_bounds__(256, 4) act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
                                    const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
                                    __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
+  const int64_t i0 = threadIdx.x * int64_t{kActLanes}, step = blockDim.x * int64_t{kActLanes};
   for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    __nv_bfloat16* ar = a + r * P * F;
+    __nv_bfloat16* hr = h + r * F;
+    // The row's first columns are requested before its group is looked up, so that the search's
+    // dependent loads run under them (every row below total_rows lies inside a).
+    ActLanes first0, first1;
+    if (i0 < F) {
+      first0 = load_act(ar + i0);
+      first1 = P == 2 ? load_act(ar + F + i0) : first0;
+    }
     const int g = group_of(offsets, G, r);
     if (g < 0) return;  // rows past offsets[G] are not ours (uniform per block)
     const bool real = r < offsets[g] + rows[g];
-    __nv_bfloat16* ar = a + r * P * F;
-    __nv_bfloat16* hr = h + r * F;
     if (!real) {
       zero_row(ar, P * F);
       zero_row(hr, F);
@@ -148,9 +157,12 @@ __global__ void act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t t
     }
     const float w = row_weights ? row_weights[r] : 1.0f;
     const __nv_bfloat16* br = b_in ? b_in + g * P * F : nullptr;
-    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
-      ActLanes x0 = load_act(ar + i), x1 = x0, out;
-      if (P == 2) x1 = load_act(ar + F + i);
+    for (int64_t i = i0; i < F; i += step) {
+      ActLanes x0 = first0, x1 = first1, out;
+      if (i != i0) {
+        x0 = load_act(ar + i);
+        x1 = P == 2 ? load_act(ar + F + i) : x0;
+      }
       ActLanes b0, b1;
       if (br) {
         b0 = load_act(br + i);
@@ -188,20 +200,31 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
                                     const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
                                     const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
   __shared__ float red[32];
+  const int64_t i0 = threadIdx.x * int64_t{kActLanes}, step = blockDim.x * int64_t{kActLanes};
   for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
+    const __nv_bfloat16* ar = a + r * P * F;
+    __nv_bfloat16* dar = d_a + r * P * F;
+    // As in act_forward_kernel: the first columns' loads before the group search.
+    ActLanes first0, first1, first_dh;
+    if (i0 < F) {
+      first0 = load_act(ar + i0);
+      first1 = P == 2 ? load_act(ar + F + i0) : first0;
+      first_dh = load_act(d_h + r * F + i0);
+    }
     const int g = group_of(offsets, G, r);
     if (g < 0) return;
     const bool real = r < offsets[g] + rows[g];
     const float w = row_weights && real ? row_weights[r] : 1.0f;
     float dw = 0.0f;
-    const __nv_bfloat16* ar = a + r * P * F;
-    __nv_bfloat16* dar = d_a + r * P * F;
-    for (int64_t i = threadIdx.x * int64_t{kActLanes}; i < F; i += blockDim.x * int64_t{kActLanes}) {
+    for (int64_t i = i0; i < F; i += step) {
       ActLanes o0, o1;
       if (real) {
-        const ActLanes x0 = load_act(ar + i), dh = load_act(d_h + r * F + i);
-        ActLanes x1 = x0;
-        if (P == 2) x1 = load_act(ar + F + i);
+        ActLanes x0 = first0, x1 = first1, dh = first_dh;
+        if (i != i0) {
+          x0 = load_act(ar + i);
+          x1 = P == 2 ? load_act(ar + F + i) : x0;
+          dh = load_act(d_h + r * F + i);
+        }
 #pragma unroll
         for (int j = 0; j < kActLanes; ++j) {
           const float a0 = __bfloat162float(x0.v[j]);
