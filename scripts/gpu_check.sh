@@ -115,7 +115,8 @@ if has abbuild; then
     t0=$(date +%s)
     if cmake -S .carry/base -B "$BASE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
          -DEPX_CUTLASS_DIR="$PWD/.carry/cutlass/include" "${gt[@]}" >"$OUT/build_base.log" 2>&1 &&
-       cmake --build "$BASE_BUILD" -j "$JOBS" --target ${BASE_TARGETS:-epx_cli bench_ep bench_grouped_gemm} >>"$OUT/build_base.log" 2>&1; then
+       cmake --build "$BASE_BUILD" -j "$JOBS" --target ${BASE_TARGETS:-epx_cli bench_ep bench_grouped_gemm} \
+         >>"$OUT/build_base.log" 2>&1; then
       summary "abbuild: base $(cut -c1-12 .carry/base/.ab_commit) ok in $(( $(date +%s) - t0 )) s"
     else
       grep -E "error|Error" -A4 "$OUT/build_base.log" | head -30

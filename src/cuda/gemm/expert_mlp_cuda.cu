@@ -132,9 +132,10 @@ __device__ __forceinline__ void zero_row(__nv_bfloat16* p, int64_t n) {
 // bias joins FC1's sums here: a = round(a + b_in) is what backward reads, the activation takes the
 // unrounded sum. Each thread takes kActLanes consecutive columns (F and H multiples of it, rows
 // 16-byte aligned: what the grouped GEMMs' TMA needs too). 256 threads, 4 blocks an SM (64 registers).
-__global__ void __launch_bounds__(256, 4) act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
-                                   const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
-                                   __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
+__global__ void __launch_bounds__(256, 4)
+    act_forward_kernel(int f, int P, int64_t F, int64_t H, int64_t total_rows, const int32_t* offsets,
+                       const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* b_in,
+                       __nv_bfloat16* a, __nv_bfloat16* h, __nv_bfloat16* y) {
   const int64_t i0 = threadIdx.x * int64_t{kActLanes}, step = blockDim.x * int64_t{kActLanes};
   for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
     __nv_bfloat16* ar = a + r * P * F;
