@@ -18,7 +18,6 @@
 #include <functional>
 #include <optional>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -35,6 +34,7 @@
 #include "cuda/gemm/cutlass/trials/wgrad_trials.h"
 #endif
 #include "moe/elementwise.h"
+#include "tools/args.h"
 
 using namespace epx;
 using bench::JsonLine;
@@ -296,14 +296,6 @@ void run_forward_trials(const char* name, bool dgrad, const cuda::GroupedOperand
 std::vector<std::string> g_cases;
 std::vector<std::string> g_case_names;
 
-std::vector<std::string> split_names(const std::string& list) {
-  std::vector<std::string> out;
-  std::stringstream ss(list);
-  for (std::string name; std::getline(ss, name, ',');)
-    if (!name.empty()) out.push_back(name);
-  return out;
-}
-
 bool contains(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
@@ -554,7 +546,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args(argv + 1, argv + argc);
     for (size_t i = 0; !wgrad_only && i + 1 < args.size(); ++i)
       if (args[i] == "--cases") {
-        g_cases = split_names(args[i + 1]);
+        g_cases = tools::split_list(args[i + 1]);
         args.erase(args.begin() + static_cast<std::ptrdiff_t>(i), args.begin() + static_cast<std::ptrdiff_t>(i) + 2);
         break;
       }

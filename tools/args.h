@@ -4,12 +4,22 @@
 
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "epx/error.h"
 
 namespace epx::tools {
+
+/// The non-empty items of a comma-separated option value ("a,,b" -> {"a", "b"}).
+inline std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
 
 class Args {
  public:

@@ -3,7 +3,6 @@
 // bf16 GEMM FLOP/s on this GPU) and the GPU memory in use, as JSON lines (rank 0 prints).
 #include <chrono>
 #include <cstdio>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,14 +42,6 @@ double dense_bf16_flops(Device dev) {
   detail::fill_normal(b, 5, 2, 1.0);
   const double us = time_us(dev.index, 20, [&] { gemm(a, b, c); });
   return 2.0 * n * n * n / (us * 1e-6);
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
 }
 
 struct LayerBenchOptions {
@@ -151,7 +142,7 @@ int run_bench(const std::vector<std::string>& argv) {
                  "needs a GPU and a build with the CUDA backend and the CUTLASS grouped GEMMs (",
                  gpus, " GPU(s) visible, CUDA backend ", build.cuda_backend ? "on" : "off", ", grouped GEMMs ",
                  build.gpu_grouped_gemm ? "on" : "off", ")");
-  const std::vector<std::string> presets = split(args.str("preset", "deepseek-v3,mixtral"));
+  const std::vector<std::string> presets = split_list(args.str("preset", "deepseek-v3,mixtral"));
   const long long tokens = args.integer("tokens", 0);
   const int iters = static_cast<int>(args.integer("iters", 10));
   require(iters >= 1 && tokens >= 0, "epx bench layer", "--iters must be >= 1 and --tokens >= 0");
