@@ -450,6 +450,8 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
       {"nosource", "bf16", [&] { cuda::grouped_wgrad_bf16_out_nosource(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"pingpong_nosource", "bf16",
        [&] { cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+      {"coop_tma", "bf16",
+       [&] { cuda::grouped_wgrad_bf16_out_coop_tma(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"pingpong_nosource", "fp32",
        [&] { cuda::grouped_wgrad_f32_pingpong_nosource(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {}); }},
   };

@@ -249,6 +249,8 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   cuda::grouped_wgrad_bf16_out_nosource(a, d, n16.data(), K * N, K, N, o, r, G, {});
   Tensor q16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
   cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, q16.data(), K * N, K, N, o, r, G, {});
+  Tensor t16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
+  cuda::grouped_wgrad_bf16_out_coop_tma(a, d, t16.data(), K * N, K, N, o, r, G, {});
   Tensor q32 = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
   cuda::grouped_wgrad_f32_pingpong_nosource(a, d, q32.ptr<float>(), K * N, K, N, o, r, G, {});
   EXPECT_LT(rel_err(c32, dw_ref), 1e-2);
@@ -265,6 +267,7 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   };
   for (const NoSource& v : {NoSource{"no-source cooperative, bf16 out", &n16, &ch16},
                             NoSource{"no-source ping-pong, bf16 out", &q16, &ch16},
+                            NoSource{"cooperative with TMA stores of a staged tile, bf16 out", &t16, &ch16},
                             NoSource{"no-source ping-pong, fp32 out", &q32, &ch32}}) {
     const Tensor h = to_host(*v.got);
     int64_t differ = 0;

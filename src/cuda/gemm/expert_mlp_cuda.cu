@@ -303,7 +303,7 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
     float* out = dw.ptr<float>() + elem_offset;
     if (sched == WgradSchedule::kAuto)
       sched = beta == 0.0f && large_groups ? WgradSchedule::kPingpongNoSource : WgradSchedule::kPingpong;
-    if (sched == WgradSchedule::kPingpongNoSource && beta == 0.0f)
+    if ((sched == WgradSchedule::kPingpongNoSource || sched == WgradSchedule::kCoopTma) && beta == 0.0f)
       grouped_wgrad_f32_pingpong_nosource(a, d, out, group_stride, K, N, offsets, rows, G, stream);
     else if (sched == WgradSchedule::kCooperative || sched == WgradSchedule::kNoSource)
       grouped_wgrad_bf16(a, d, out, group_stride, K, N, offsets, rows, G, stream, beta);
@@ -312,13 +312,21 @@ void wgrad(GroupedOperand a, GroupedOperand d, const TensorRef& dw, int64_t elem
     return;
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dw.data()) + elem_offset;
+  const bool tma_ok = wgrad_coop_tma_supports(out, N, group_stride);
+  const bool short_groups = row_capacity < kCoopTmaWgradMaxRowsPerGroup * int64_t{G};
   if (sched == WgradSchedule::kAuto)
-    sched = beta != 0.0f     ? WgradSchedule::kPingpong
-            : large_groups ? WgradSchedule::kPingpongNoSource
-                           : WgradSchedule::kNoSource;
-  const bool no_source = sched == WgradSchedule::kNoSource || sched == WgradSchedule::kPingpongNoSource;
+    sched = beta != 0.0f                ? WgradSchedule::kPingpong
+            : tma_ok && short_groups    ? WgradSchedule::kCoopTma
+            : large_groups              ? WgradSchedule::kPingpongNoSource
+                                        : WgradSchedule::kNoSource;
+  if (sched == WgradSchedule::kCoopTma && !tma_ok) sched = WgradSchedule::kPingpongNoSource;
+  const bool no_source = sched == WgradSchedule::kNoSource || sched == WgradSchedule::kPingpongNoSource ||
+                         sched == WgradSchedule::kCoopTma;
   if (no_source && beta != 0.0f) sched = WgradSchedule::kCooperative;  // they cannot add
   switch (sched) {
+    case WgradSchedule::kCoopTma:
+      grouped_wgrad_bf16_out_coop_tma(a, d, out, group_stride, K, N, offsets, rows, G, stream);
+      break;
     case WgradSchedule::kPingpongNoSource:
       grouped_wgrad_bf16_out_pingpong_nosource(a, d, out, group_stride, K, N, offsets, rows, G, stream);
       break;
@@ -416,9 +424,10 @@ WgradSchedule wgrad_schedule() {
   static const WgradSchedule chosen = [] {
     const WgradSchedule kinds[] = {WgradSchedule::kAuto, WgradSchedule::kCooperative,
                                    WgradSchedule::kPingpong, WgradSchedule::kCluster,
-                                   WgradSchedule::kNoSource, WgradSchedule::kPingpongNoSource};
-    const int i = detail::env_choice("EPX_WGRAD_KERNEL",
-                                     {"auto", "cooperative", "pingpong", "cluster", "nosource", "pingpong_nosource"});
+                                   WgradSchedule::kNoSource, WgradSchedule::kPingpongNoSource,
+                                   WgradSchedule::kCoopTma};
+    const int i = detail::env_choice("EPX_WGRAD_KERNEL", {"auto", "cooperative", "pingpong", "cluster", "nosource",
+                                                          "pingpong_nosource", "coop_tma"});
     return i < 0 ? WgradSchedule::kAuto : kinds[i];
   }();
   return chosen;

@@ -96,6 +96,14 @@ void grouped_wgrad_bf16_out_pingpong_nosource(GroupedOperand a, GroupedOperand d
                                               int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows,
                                               int groups, Stream stream);
 
+/// bf16 out, overwriting only, on cooperative 128x256 tiles that leave by TMA stores from one staged tile
+/// (cutlass/wgrad_tma_store_sm90.cuh; the default for overwritten bf16 gradients: wgrad_schedule()).
+/// Needs out 16-byte aligned and N and out_group_stride multiples of 8 (wgrad_coop_tma_supports).
+void grouped_wgrad_bf16_out_coop_tma(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
+                                     int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                     Stream stream);
+bool wgrad_coop_tma_supports(const void* out, int64_t N, int64_t out_group_stride);
+
 /// fp32 out, overwriting only, on the same kernel (the default for overwritten fp32 gradients where
 /// groups are large enough: wgrad_schedule()).
 void grouped_wgrad_f32_pingpong_nosource(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride,
@@ -153,20 +161,27 @@ Fp8GemmSchedule fp8_gemm_schedule(int64_t row_capacity, int groups, int64_t row_
 std::vector<const char*> fp8_gemm_schedule_names();
 
 /// Which wgrad schedule the FFN and grouped_gemm_wgrad use: EPX_WGRAD_KERNEL=auto (the default)
-/// |cooperative|pingpong|cluster|nosource|pingpong_nosource, read once. cluster = cooperative 2x1
-/// clusters for bf16 gradients, ping-pong for fp32; nosource = grouped_wgrad_bf16_out_nosource for
+/// |cooperative|pingpong|cluster|nosource|pingpong_nosource|coop_tma, read once. cluster = cooperative
+/// 2x1 clusters for bf16 gradients, ping-pong for fp32; nosource = grouped_wgrad_bf16_out_nosource for
 /// overwritten bf16 gradients, cooperative otherwise; pingpong_nosource = the no-source ping-pong
 /// kernels for overwritten gradients, cooperative for accumulating bf16 ones and ping-pong for
-/// accumulating fp32 ones. auto: for overwritten gradients where the operands hold at least
-/// kPingpongWgradMinRowsPerGroup rows a group, the no-source ping-pong kernels (on an H200, timed
-/// interleaved at the sustained clock, at 128 groups x 256 rows: bf16 1.10-1.15x nosource, fp32
-/// 1.04-1.11x ping-pong; at 32 x 1024: bf16 1.11-1.14x nosource, fp32 0.97-1.01x ping-pong); below
-/// that, nosource for bf16 (at 256 groups x 128 rows, the one-GPU DeepSeek-V3 layer, 1.1x the
-/// ping-pong kernel) and ping-pong for fp32; ping-pong for accumulating gradients. The rows are the
-/// capacity, which the layer sizes for the worst case (every token to this rank), so a layer on R
-/// ranks counts R times its average rows.
+/// accumulating fp32 ones; coop_tma = grouped_wgrad_bf16_out_coop_tma for overwritten bf16 gradients
+/// (pingpong_nosource where its alignment rules fail), the pingpong_nosource choices otherwise.
+/// auto: overwritten bf16 gradients take coop_tma where the operands hold fewer than
+/// kCoopTmaWgradMaxRowsPerGroup rows a group and its alignment rules hold. On an H200, in the one-GPU
+/// DeepSeek-V3-like layer (128 rows a group) its wgrad phases ran 1.08-1.10x the no-source cooperative
+/// kernel's and the step 1.035x; back to back in bench_grouped_gemm's interleaved contests it was
+/// 0.94-0.98x the best other kernel, so the layer's figure is the one the choice follows
+/// (bench/NOTES.md). Where groups hold kCoopTmaWgradMaxRowsPerGroup rows or more (the Mixtral-like
+/// layer: its step 0.985x with coop_tma) and for overwritten fp32 gradients: the no-source ping-pong
+/// kernels where the operands hold at least kPingpongWgradMinRowsPerGroup rows a group (fp32: 1.04-1.11x
+/// ping-pong at 128 groups x 256 rows, 0.97-1.01x at 32 x 1024), below that nosource for bf16 and
+/// ping-pong for fp32; ping-pong for accumulating gradients. The rows are the capacity, which the layer
+/// sizes for the worst case (every token to this rank), so a layer on R ranks counts R times its
+/// average rows.
 inline constexpr int64_t kPingpongWgradMinRowsPerGroup = 192;
-enum class WgradSchedule { kAuto, kCooperative, kPingpong, kCluster, kNoSource, kPingpongNoSource };
+inline constexpr int64_t kCoopTmaWgradMaxRowsPerGroup = 1024;
+enum class WgradSchedule { kAuto, kCooperative, kPingpong, kCluster, kNoSource, kPingpongNoSource, kCoopTma };
 WgradSchedule wgrad_schedule();
 
 }  // namespace epx::cuda

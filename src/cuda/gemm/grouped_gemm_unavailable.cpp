@@ -54,6 +54,11 @@ void grouped_wgrad_bf16_out_pingpong_nosource(GroupedOperand, GroupedOperand, vo
                                               const int32_t*, const int32_t*, int, Stream) {
   unavailable();
 }
+void grouped_wgrad_bf16_out_coop_tma(GroupedOperand, GroupedOperand, void*, int64_t, int64_t, int64_t, const int32_t*,
+                                     const int32_t*, int, Stream) {
+  unavailable();
+}
+bool wgrad_coop_tma_supports(const void*, int64_t, int64_t) { return false; }
 void grouped_wgrad_f32_pingpong_nosource(GroupedOperand, GroupedOperand, float*, int64_t, int64_t, int64_t,
                                          const int32_t*, const int32_t*, int, Stream) {
   unavailable();

@@ -1,0 +1,56 @@
+// Wgrad with overwritten bf16 gradients whose cooperative tiles leave by TMA box stores from one staged
+// tile: see wgrad_tma_store_sm90.cuh.
+#include "cuda/gemm/cutlass/wgrad_tma_store_sm90.cuh"
+#include "epx/error.h"
+
+namespace epx::cuda {
+
+bool wgrad_coop_tma_supports(const void* out, int64_t N, int64_t out_group_stride) {
+  // The tensor map's rules: a 16-byte aligned base and 16-byte multiples for the row and group strides.
+  return reinterpret_cast<uintptr_t>(out) % 16 == 0 && N % 8 == 0 && out_group_stride % 8 == 0;
+}
+
+void grouped_wgrad_bf16_out_coop_tma(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
+                                     int64_t K, int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                     Stream stream) {
+  using Kn = wgrad_tma::CoopTmaStoreWgradKernel;
+  const char* fn = "epx::grouped_wgrad_bf16_out_coop_tma";
+  require(wgrad_coop_tma_supports(out, N, out_group_stride), fn, "the gradient must start on 16 bytes and N (", N,
+          ") and the group stride (", out_group_stride, ") be multiples of 8 elements");
+  if (groups == 0) return;
+  cudaStream_t s = to_cuda(stream);
+  grouped::Cache& c = grouped::cache_for(12);
+  grouped::Arrays<Kn> arr;
+  grouped::carve_arrays(c, groups, [&](grouped::ArrayCarver& k) {
+    arr.shapes = k.next<Kn::Shape3>();
+    arr.a = k.next<const Kn::ElementA*>();
+    arr.b = k.next<const Kn::ElementB*>();
+    arr.c = k.next<const void*>();
+    arr.d = k.next<void*>();
+    arr.sa = k.next<Kn::StrideA>();
+    arr.sb = k.next<Kn::StrideB>();
+    arr.sc = k.next<Kn::StrideC>();
+  });
+  grouped::setup_kernel<Kn, cutlass::bfloat16_t><<<(groups + 127) / 128, 128, 0, s>>>(
+      grouped::Mode::kWgrad, arr, a, d, static_cast<cutlass::bfloat16_t*>(out), N, out_group_stride, K, N, offsets,
+      rows, groups);
+  EPX_CHECK_LAUNCH("grouped setup_kernel");
+  wgrad_tma::TmaStoreArguments epi;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(groups)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(out_group_stride) * 2};
+  const cuuint32_t box[3] = {wgrad_tma::kBoxCols, wgrad_tma::kTileRows, 1}, element_strides[3] = {1, 1, 1};
+  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+      &epi.tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  require_status(r == CUDA_SUCCESS, Status::kCudaError, fn, "cuTensorMapEncodeTiled failed (CUresult ",
+                 static_cast<int>(r), ") for K = ", K, ", N = ", N, ", ", groups, " groups");
+  typename Kn::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                    {groups, arr.shapes, nullptr},
+                                    {arr.a, arr.sa, arr.b, arr.sb},
+                                    epi,
+                                    grouped::hardware_info()};
+  grouped::launch<typename Kn::Gemm>(args, c, s, fn, K, N, "rows and columns must be multiples of 8 elements");
+}
+
+}  // namespace epx::cuda
