@@ -7,7 +7,7 @@
 // take it to ~4.2 ms (bench/NOTES.md). CUTLASS's TMA epilogue stores sub-tiles through two small
 // buffers and waits on the store two sub-tiles back before writing the next, so the math warp groups
 // wait on the stores inside every tile. Here the whole tile (64 KB) is staged at once: both warp groups
-// convert their accumulators into it, fence, synchronise, and one thread issues four box stores
+// convert their accumulators into it (stmatrix, 16 a thread), fence, synchronise, and one thread issues four box stores
 // without waiting for them; the next tile's epilogue waits for their reads before it writes the buffer,
 // by which time a whole tile of MMAs has hidden them. The price is shared memory: three mainloop stages
 // instead of four.
@@ -81,8 +81,8 @@ class CoopTmaStoreEpilogue {
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   // Byte offset of tile element (r, c): box c / 64, then row r's 128 bytes with 16-byte chunk
-  // (c % 64) / 8 XOR (r mod 8). A warp's 4-byte writes (8 rows x 4 column pairs of one chunk column)
-  // then fall in 32 different banks.
+  // (c % 64) / 8 XOR (r mod 8). The 8 rows of an 8x8 matrix a stmatrix writes then fall in 8 different
+  // 16-byte bank groups.
   static CUTLASS_DEVICE int staged_byte(int r, int c) {
     return (c / kBoxCols) * (kTileRows * 128) + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4) + (c & 7) * 2;
   }
@@ -103,13 +103,24 @@ class CoopTmaStoreEpilogue {
     // The previous tile's boxes must have left the buffer (issued a whole tile of MMAs ago).
     if (thread_idx == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     cutlass::arch::NamedBarrier::sync(kThreads, barrier_id);
-    // Accumulator values 2i and 2i + 1 are columns c and c + 1 of one row (the WGMMA layout).
-    const cute::Tensor coords =
-        tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(blk_shape)));
+    // A warp group's m64n256 accumulator: thread t of warp w holds, for each 8-column block j, columns
+    // 8 j + 2 (t % 4) + {0, 1} of rows 16 w + t / 4 (values 4 j, 4 j + 1) and 16 w + t / 4 + 8 (4 j + 2,
+    // 4 j + 3): the fragment of four 8x8 matrices a stmatrix.x4 writes, two blocks at a time. Lane l
+    // gives the address of row l % 8 of matrix l / 8 (top / bottom half of block j, then of j + 1).
+    (void)tiled_mma;
+    const int lane = thread_idx % 32, q = lane / 8;
+    const int row = (thread_idx / 128) * 64 + (thread_idx / 32 % 4) * 16 + (q & 1) * 8 + lane % 8;
+    const uint32_t s_buf = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    auto pack = [&](int i) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
+      return *reinterpret_cast<const uint32_t*>(&v);
+    };
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kValues; i += 2) {
-      const int r = get<0>(coords(i)), c = get<1>(coords(i));
-      *reinterpret_cast<__nv_bfloat162*>(smem + staged_byte(r, c)) = __floats2bfloat162_rn(acc(i), acc(i + 1));
+    for (int j = 0; j < kTileCols / 8; j += 2) {
+      const uint32_t at = s_buf + static_cast<uint32_t>(staged_byte(row, 8 * (j + q / 2)));
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(pack(4 * j)),
+                   "r"(pack(4 * j + 2)), "r"(pack(4 * j + 4)), "r"(pack(4 * j + 6))
+                   : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(kThreads, barrier_id);
