@@ -19,7 +19,7 @@ void grouped_wgrad_bf16_out_coop_tma(GroupedOperand a, GroupedOperand d, void* o
           ") and the group stride (", out_group_stride, ") be multiples of 8 elements");
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
-  grouped::Cache& c = grouped::cache_for(12);
+  grouped::Cache& c = grouped::cache_for(14);  // apart from the run() kernels (0-11) and the contiguous ones (12, 13)
   grouped::Arrays<Kn> arr;
   grouped::carve_arrays(c, groups, [&](grouped::ArrayCarver& k) {
     arr.shapes = k.next<Kn::Shape3>();

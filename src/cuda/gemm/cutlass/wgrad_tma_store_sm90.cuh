@@ -129,11 +129,10 @@ class CoopTmaStoreEpilogue {
       auto [m_coord, n_coord, k_coord, group] = blk_coord;
       const int m0 = static_cast<int>(m_coord) * kTileRows, n0 = static_cast<int>(n_coord) * kTileCols;
       const uint64_t map = reinterpret_cast<uint64_t>(&p_.tmap);
-      const uint32_t s0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
       CUTLASS_PRAGMA_UNROLL
       for (int b = 0; b < kTileCols / kBoxCols; ++b)
         asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
-                     "r"(s0 + b * kTileRows * 128), "r"(n0 + b * kBoxCols), "r"(m0), "r"(static_cast<int>(group))
+                     "r"(s_buf + b * kTileRows * 128), "r"(n0 + b * kBoxCols), "r"(m0), "r"(static_cast<int>(group))
                      : "memory");
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
