@@ -386,8 +386,10 @@ TEST(ExpertMlp, AccumulatedWeightGradsAddToTheOldOnes) {
     const int64_t per = gs[k]->numel() / 3;  // three experts, expert 0 has no rows
     for (int64_t i = 0; i < gs[k]->numel(); ++i) {
       const float o = old[k].ptr<float>()[i], f = fresh[k].ptr<float>()[i], got = gs[k]->ptr<float>()[i];
-      if (i < per)
-        ASSERT_EQ(std::signbit(got), std::signbit(o)) << "gradient " << k << "[" << i << "]: an empty expert is untouched";
+      if (i < per) {
+        ASSERT_EQ(std::signbit(got), std::signbit(o))
+            << "gradient " << k << "[" << i << "]: an empty expert is untouched";
+      }
       ASSERT_EQ(got, i < per ? o : o + f) << "gradient " << k << "[" << i << "]";
     }
   }
