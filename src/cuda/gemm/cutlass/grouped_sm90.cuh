@@ -347,13 +347,12 @@ void launch(typename Gemm::Arguments args, Cache& c, cudaStream_t s, const char*
   EPX_CHECK_LAUNCH("CUTLASS grouped GEMM");
 }
 
+// The per-group problem shapes, pointers and strides of kernel K in c's array buffer, written on the
+// device by setup_kernel (queued on s) from the device-side offsets / rows.
 template <class K, class Out>
-void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
-         int64_t out_group_stride, int64_t Kd, int64_t N, float beta, const int32_t* offsets, const int32_t* rows,
-         int groups, Stream stream) {
-  if (groups == 0) return;
-  cudaStream_t s = to_cuda(stream);
-  Cache& c = cache_for(kernel_id);
+Arrays<K> device_arrays(Cache& c, cudaStream_t s, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
+                        int64_t ld_out, int64_t out_group_stride, int64_t Kd, int64_t N, const int32_t* offsets,
+                        const int32_t* rows, int groups) {
   Arrays<K> arr;
   carve_arrays(c, groups, [&](ArrayCarver& k) {
     arr.shapes = k.next<typename K::Shape3>();
@@ -368,6 +367,18 @@ void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out,
   setup_kernel<K, Out><<<(groups + 127) / 128, 128, 0, s>>>(mode, arr, a, b, out, ld_out, out_group_stride, Kd, N,
                                                             offsets, rows, groups);
   EPX_CHECK_LAUNCH("grouped setup_kernel");
+  return arr;
+}
+
+template <class K, class Out>
+void run(int kernel_id, Mode mode, GroupedOperand a, GroupedOperand b, Out* out, int64_t ld_out,
+         int64_t out_group_stride, int64_t Kd, int64_t N, float beta, const int32_t* offsets, const int32_t* rows,
+         int groups, Stream stream) {
+  if (groups == 0) return;
+  cudaStream_t s = to_cuda(stream);
+  Cache& c = cache_for(kernel_id);
+  const Arrays<K> arr =
+      device_arrays<K>(c, s, mode, a, b, out, ld_out, out_group_stride, Kd, N, offsets, rows, groups);
 
   using ElementOut = Out;
   typename K::Gemm::Arguments args{

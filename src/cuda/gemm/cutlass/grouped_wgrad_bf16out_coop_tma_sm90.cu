@@ -20,21 +20,9 @@ void grouped_wgrad_bf16_out_coop_tma(GroupedOperand a, GroupedOperand d, void* o
   if (groups == 0) return;
   cudaStream_t s = to_cuda(stream);
   grouped::Cache& c = grouped::cache_for(14);  // apart from the run() kernels (0-11) and the contiguous ones (12, 13)
-  grouped::Arrays<Kn> arr;
-  grouped::carve_arrays(c, groups, [&](grouped::ArrayCarver& k) {
-    arr.shapes = k.next<Kn::Shape3>();
-    arr.a = k.next<const Kn::ElementA*>();
-    arr.b = k.next<const Kn::ElementB*>();
-    arr.c = k.next<const void*>();
-    arr.d = k.next<void*>();
-    arr.sa = k.next<Kn::StrideA>();
-    arr.sb = k.next<Kn::StrideB>();
-    arr.sc = k.next<Kn::StrideC>();
-  });
-  grouped::setup_kernel<Kn, cutlass::bfloat16_t><<<(groups + 127) / 128, 128, 0, s>>>(
-      grouped::Mode::kWgrad, arr, a, d, static_cast<cutlass::bfloat16_t*>(out), N, out_group_stride, K, N, offsets,
-      rows, groups);
-  EPX_CHECK_LAUNCH("grouped setup_kernel");
+  const grouped::Arrays<Kn> arr =
+      grouped::device_arrays<Kn>(c, s, grouped::Mode::kWgrad, a, d, static_cast<cutlass::bfloat16_t*>(out), N,
+                                 out_group_stride, K, N, offsets, rows, groups);
   wgrad_tma::TmaStoreArguments epi;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(groups)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(out_group_stride) * 2};
