@@ -125,18 +125,27 @@ struct MlpConfig {
   /// round(old + sum) with the sum in fp32, so one more rounding per call. For a bounded number of
   /// calls, such as a layer's pipeline chunks; many microbatches belong in fp32 gradients.
   bool accumulate_in_weight_dtype = false;
+  /// Backward only, with apply_weights_early off: the combine weights each expert output row
+  /// (out[t] += w_row * y[row]) and its backward handed over d_y UNWEIGHTED (combine_backward
+  /// without row weights). Backward then reads row_weights and writes d_row_weights = <d_out[t], y[row]>
+  /// computed through FC2 as <d_y . w_out^T, act(a)> (F wide instead of H wide, and y need not be
+  /// kept), and applies the weight itself: d_h = w_row * (d_y . w_out^T), and d_w_out from the rows
+  /// round(w_row * round(act(a))) (the activation recomputed from the saved a) with d_y. Mathematically the same gradients as weighting d_y in
+  /// combine_backward; not for layers with biases (b_out would add <d_out[t], b_out> to the dot).
+  bool combine_weight_grads = false;
 };
 
 /// Tensors of the expert FFN. Forward reads x, offsets, rows, row_weights (early only), the
 /// weights; writes a (saved pre-activations [rows, P, F]), h (saved activations [rows, F]) and y.
-/// Backward reads x, offsets, rows, row_weights (early only), w_in, w_out, a and h; the biases
-/// only tell it whether bias gradients are expected; y is not read (it may be left undefined).
-/// row_weights is given exactly when apply_weights_early.
+/// Backward reads x, offsets, rows, row_weights (early or combine_weight_grads), w_in, w_out, a and
+/// h; the biases only tell it whether bias gradients are expected; y is not read (it may be left
+/// undefined). row_weights is given exactly when apply_weights_early (forward) or either of
+/// apply_weights_early and combine_weight_grads (backward).
 struct MlpTensors {
   TensorRef x;            // [rows, H] (fp8_e4m3 with x_scales under an FP8 precision)
   TensorRef offsets;      // [G+1] int32
   TensorRef rows;         // [G] int32
-  TensorRef row_weights;  // [rows] fp32 (fp64 with fp64 data), apply_weights_early only
+  TensorRef row_weights;  // [rows] fp32 (fp64 with fp64 data), apply_weights_early / combine_weight_grads
   TensorRef w_in;         // [G, H, P, F]
   TensorRef b_in;         // [G, P, F] optional
   TensorRef w_out;        // [G, F, H]
@@ -157,11 +166,12 @@ struct MlpTensors {
 
 /// Gradients of the expert FFN, all OVERWRITTEN. d_y and d_x have x's dtype; d_x and d_row_weights
 /// are zero on padding rows. d_w_* and d_b_* are fp32 (or the weights' dtype); d_b_* are given
-/// exactly when the layer has biases, d_row_weights exactly when apply_weights_early.
+/// exactly when the layer has biases, d_row_weights exactly when apply_weights_early or
+/// combine_weight_grads.
 struct MlpGrads {
   TensorRef d_y;            // [rows, H] in
   TensorRef d_x;            // [rows, H] out
-  TensorRef d_row_weights;  // [rows] fp32 (fp64 with fp64 data) out, apply_weights_early only
+  TensorRef d_row_weights;  // [rows] fp32 (fp64 with fp64 data) out, apply_weights_early / combine_weight_grads
   TensorRef d_w_in, d_b_in, d_w_out, d_b_out;
   /// Optional [rows, (P+1)*F] in the data dtype: where the GPU backward keeps d_h and d_a when it
   /// may not overwrite a and h (MlpConfig::backward_consumes_saved off). Without it they live in a

@@ -38,6 +38,13 @@ struct MoEConfig {
   Activation activation = Activation::kSwiGLU;
   bool expert_bias_terms = false;  // b_in / b_out in the expert FFNs
   bool apply_weights_early = false;
+  /// With the weights applied in combine and no expert biases: backward hands d_out to the experts
+  /// unweighted (combine_backward is then a plain copy, the dispatch's) and the expert FFN computes
+  /// the row weights' gradient through FC2 (MlpConfig::combine_weight_grads: F-wide dot products
+  /// instead of H-wide ones against y). Backward never reads the expert outputs y, so d_y takes
+  /// their buffer. Off: combine_backward weights d_y and takes <d_out, y> per row. The same
+  /// gradients up to rounding.
+  bool weight_grads_in_ffn = true;
   PrepareOptions capacity;         // dropless by default
   int64_t shared_ffn_hidden = 0;   // hidden size of the shared expert FFN; 0 = no shared experts
   DType dtype = DType::kBF16;      // parameters and activations (fp64 for gradient checks)

@@ -64,7 +64,7 @@ __device__ void send_role(const OverlapArgs& oa, int warp, int lane, uint32_t ne
     if (oa.inline_barrier) {
       if (lane == 0)
         for (int d = 0; d < g.R; ++d)
-          if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, kOpDispatch);
+          if (slot_s[warp][d] >= 0) wait_peer_ready(g, d, next, ready, a.op_code);
       __syncwarp();  // lane 0's acquire before every lane's stores
     }
     if (t == static_cast<int64_t>(blockIdx.x) * W) EPX_STAMP(kTlFirst);
@@ -110,13 +110,13 @@ __device__ __forceinline__ void crew_sync(int warp) {
 // written again at wait i + 2, behind the barrier of wait i + 1, which every thread reaches only
 // after reading it.
 template <int W>
-__device__ bool await_chunk(const DeviceGroup& g, int s, int c, uint32_t n, bool take, int warp, int lane,
+__device__ bool await_chunk(const DeviceGroup& g, int op_code, int s, int c, uint32_t n, bool take, int warp, int lane,
                             unsigned& calls) {
   __shared__ int ok_s[crews_per_block<W>()][2];
   const int crew = crews_per_block<W>() == 1 ? 0 : warp / kCrewWarps;
   const int word = calls++ & 1u;
   if (warp % kCrewWarps == 0 && lane == 0) {
-    const bool ok = wait_arrivals(g, s, c, n, kOpDispatch);
+    const bool ok = wait_arrivals(g, s, c, n, op_code);
     if (ok && take) atomicSub(arrival(g, g.rank, s, c), n * kArrivalUnit);
     ok_s[crew][word] = ok;
   }
@@ -198,7 +198,7 @@ __device__ void expand_role(const OverlapArgs& oa, int xb_block, int xn_blocks, 
     const int first = c * kArrivalChunk;
     if (first >= count) continue;  // block-uniform
     const int n = min(kArrivalChunk, count - first);
-    if (!local && !await_chunk<W>(g, s, c, static_cast<uint32_t>(n), !kShared, warp, lane, waits)) continue;
+    if (!local && !await_chunk<W>(g, sa.op_code, s, c, static_cast<uint32_t>(n), !kShared, warp, lane, waits)) continue;
     if (it == xb) EPX_STAMP(kTlFirst);
     if (!write) continue;
     const VecRange r = piece_range(nvec, P, piece);

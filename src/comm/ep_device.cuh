@@ -147,7 +147,8 @@ struct SendArgs {
   const char* scales;         // [T, scale_bytes] or null
   int64_t scale_bytes;
   const float* weights;       // [T, K] or null
-  bool with_meta;             // dispatch writes the routing meta; combine_backward does not
+  bool with_meta;             // dispatch writes the routing meta; combine_backward's spread does not
+  int op_code;                // what a timeout names: kOpDispatch, or kOpCombineBwd on the dispatch's path
   int64_t stride;             // bytes per mailbox slot (>= row_bytes + scale_bytes, multiple of 16)
 };
 

@@ -475,8 +475,8 @@ ZeroCopyProtocol zero_copy_protocol() {
 
 void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32_t* segment_starts, const TensorRef& x,
                    const TensorRef& x_scales, const TensorRef& topk_weights, const TensorRef& recv_x,
-                   const TensorRef& recv_scales, const TensorRef& recv_weights, Stream stream) {
-  check_limits(g, h.topk, "epx::dispatch_forward");
+                   const TensorRef& recv_scales, const TensorRef& recv_weights, Stream stream, int op_code) {
+  check_limits(g, h.topk, op_code == kOpCombineBwd ? "epx::combine_backward" : "epx::dispatch_forward");
   cudaStream_t s = cuda::to_cuda(stream);
   SendArgs sa;
   sa.g = g;
@@ -491,6 +491,7 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   sa.scale_bytes = x_scales.defined() ? x_scales.size(1) * static_cast<int64_t>(dtype_size(x_scales.dtype())) : 0;
   sa.weights = topk_weights.defined() ? topk_weights.ptr<float>() : nullptr;
   sa.with_meta = true;
+  sa.op_code = op_code;
   sa.stride = link.row_stride(g, sa.row_bytes + sa.scale_bytes);
   const bool vec = sa.row_bytes % 16 == 0 && aligned16(sa.rows) && sa.stride % 16 == 0;
   ExpandArgs ea;
@@ -512,11 +513,11 @@ void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h, const int32
   const bool overlapped = link.device_barriers() && overlapped_dispatch_enabled();
   const bool vec_out = vec && aligned16(ea.out);
   if (overlapped && inline_barrier_enabled() && launch_overlapped_dispatch(sa, ea, vec_out, true, s)) return;
-  link.before_write(g, kOpDispatch, s);
+  link.before_write(g, op_code, s);
   if (overlapped && launch_overlapped_dispatch(sa, ea, vec_out, false, s)) return;
   launch_send_rows(sa, h.num_tokens, vec, s);
   Delivery d;
-  d.op_code = kOpDispatch;
+  d.op_code = op_code;
   d.row_stride = sa.stride;
   d.meta = true;
   d.send_slots = counts_or_null(h.host_send_tokens);
@@ -607,6 +608,7 @@ void spread_rows(const DeviceGroup& g, Link& link, const HandleState& h, const T
   sa.scale_bytes = 0;
   sa.weights = nullptr;
   sa.with_meta = false;
+  sa.op_code = kOpCombineBwd;
   sa.stride = link.row_stride(g, sa.row_bytes);
   SpreadArgs pa;
   pa.g = g;

@@ -119,11 +119,12 @@ void build_zero_copy_mailboxes(const WindowLayout& layout, int rank, int num_ran
 void exchange_counts(const DeviceGroup& g, Link& link, HandleState& h, int32_t* segment_starts, Stream stream);
 
 /// dispatch_forward: every token row (and its scale row) once per destination rank, then the
-/// receiver expands into the expert-major layout.
+/// receiver expands into the expert-major layout. Also combine_backward without row weights, which
+/// is the same copy of d_out (op_code kOpCombineBwd: what a timeout then names).
 void dispatch_rows(const DeviceGroup& g, Link& link, HandleState& h,
                    const int32_t* segment_starts, const TensorRef& x, const TensorRef& x_scales,
                    const TensorRef& topk_weights, const TensorRef& recv_x, const TensorRef& recv_scales,
-                   const TensorRef& recv_weights, Stream stream);
+                   const TensorRef& recv_weights, Stream stream, int op_code = kOpDispatch);
 
 /// combine_forward (row_weights given: weighted) and dispatch_backward (d_row_scalars given: the
 /// row-weight gradients travel back too): expert-side partial sums per (source, token) written

@@ -521,7 +521,14 @@ class NcclGroup final : public GroupState {
   void combine_backward(HandleState& h, const TensorRef& d_out, const TensorRef& y, const TensorRef& row_weights,
                         const TensorRef& d_y, const TensorRef& d_row_weights, Stream stream) override {
     DeviceGuard g(device.index);
-    spread_rows(dg_, *link_, h, d_out, y, row_weights, d_y, d_row_weights, stream);
+    // Without row weights this op copies each d_out row to the token's expert rows, exactly what
+    // dispatch does with x: on zero-copy it takes the dispatch's launch, whose expansion overlaps the
+    // transfer (the spread waits for every row before it starts; 2 x H200, T=4096: see bench/NOTES.md).
+    if (!row_weights.defined() && !d_row_weights.defined() && transport == Transport::kZeroCopy)
+      dispatch_rows(for_handle(h), *link_, h, cuda::handle_segment_starts(h), d_out, TensorRef(), TensorRef(), d_y,
+                    TensorRef(), TensorRef(), stream, kOpCombineBwd);
+    else
+      spread_rows(dg_, *link_, h, d_out, y, row_weights, d_y, d_row_weights, stream);
     note_exchange(stream, kOpCombineBwd);
   }
 

@@ -97,7 +97,7 @@ void check_row_align(const char* fn, const TensorRef& offsets, int64_t G, int64_
             ", not a multiple of row_align = ", row_align);
 }
 
-MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& t) {
+MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& t, bool backward) {
   const int act = static_cast<int>(c.activation);
   require(act >= 0 && act <= static_cast<int>(Activation::kRelu2), fn, "config.activation is ", act,
           ", expected swiglu, geglu, gelu or relu2");
@@ -146,9 +146,16 @@ MlpDims check_mlp_tensors(const char* fn, const MlpConfig& c, const MlpTensors& 
     check_tensor(fn, "b_in", t.b_in, {d.G, d.P, d.F}, {dt});
     check_tensor(fn, "b_out", t.b_out, {d.G, d.H}, {dt});
   }
+  require(!(c.apply_weights_early && c.combine_weight_grads), fn,
+          "config.apply_weights_early and config.combine_weight_grads are both set (the second is for weights applied "
+          "in combine, after FC2)");
   if (c.apply_weights_early)
     require(t.row_weights.defined(), fn,
             "row_weights is missing (config.apply_weights_early multiplies h by each row's topk weight)");
+  else if (backward && c.combine_weight_grads)
+    require(t.row_weights.defined(), fn,
+            "row_weights is missing (config.combine_weight_grads: backward weights d_y's rows and computes their "
+            "gradient)");
   else
     require(!t.row_weights.defined(), fn,
             "row_weights is given but config.apply_weights_early is false (the weights are then applied in combine)");
@@ -330,7 +337,7 @@ void grouped_gemm_wgrad(const TensorRef& x, const TensorRef& dy, const TensorRef
 
 void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream stream) {
   const char* fn = "epx::expert_mlp_forward";
-  const MlpDims d = check_mlp_tensors(fn, config, t);
+  const MlpDims d = check_mlp_tensors(fn, config, t, false);
   check_tensor(fn, "y", t.y, {d.R, d.H}, {t.w_out.dtype()});
   check_mlp_devices(fn, t, nullptr);
 #ifdef EPX_HAVE_CUDA
@@ -342,17 +349,20 @@ void expert_mlp_forward(const MlpConfig& config, const MlpTensors& t, Stream str
 
 void expert_mlp_backward(const MlpConfig& config, const MlpTensors& t, const MlpGrads& g, Stream stream) {
   const char* fn = "epx::expert_mlp_backward";
-  const MlpDims d = check_mlp_tensors(fn, config, t);
+  const MlpDims d = check_mlp_tensors(fn, config, t, true);
   const DType dt = t.w_out.dtype(), wdt = t.w_in.dtype();
   if (t.y.defined()) check_tensor(fn, "y", t.y, {d.R, d.H}, {dt});  // not read; a mix-up is still worth a message
   check_tensor(fn, "d_y", g.d_y, {d.R, d.H}, {dt});
   check_tensor(fn, "d_x", g.d_x, {d.R, d.H}, {dt});
-  if (config.apply_weights_early)
+  if (config.apply_weights_early || config.combine_weight_grads)
     check_tensor(fn, "d_row_weights", g.d_row_weights, {d.R}, {float_dtype_for(dt)});
   else
     require(!g.d_row_weights.defined(), fn,
-            "d_row_weights is given but config.apply_weights_early is false (the weights get their gradient in "
-            "combine_backward)");
+            "d_row_weights is given but config.apply_weights_early and config.combine_weight_grads are false (the "
+            "weights get their gradient in combine_backward)");
+  require(!(config.combine_weight_grads && d.bias), fn,
+          "config.combine_weight_grads needs a layer without biases (the row weights' gradient would also need "
+          "<d_y, b_out>); weight d_y in combine_backward instead");
   check_wide_or_same(fn, "d_w_in", g.d_w_in, {d.G, d.H, d.P, d.F}, wdt);
   check_wide_or_same(fn, "d_w_out", g.d_w_out, {d.G, d.F, d.H}, wdt);
   // accumulate_in_weight_dtype: check_wide_or_same above already holds them to fp32 or the weights' dtype.

@@ -5,7 +5,8 @@
 //           per chunk: prepare (capacity) -> dispatch_forward; then count_routed on the KEPT
 //           routing -> all-reduce the statistics -> router_losses; shared experts on x; per chunk:
 //           expert_mlp_forward; per chunk: combine_forward; out += shared experts' output.
-// Backward: per chunk combine_backward; shared experts backward; per chunk expert_mlp_backward
+// Backward: per chunk combine_backward (without row weights where the FFN computes their gradient:
+//           MoEConfig::weight_grads_in_ffn); shared experts backward; per chunk expert_mlp_backward
 //           (the chunks' weight gradients add up); per chunk dispatch_backward; route_backward;
 //           gate: d_logits is rounded to the layer dtype for the two gate GEMMs (operands in the
 //           layer dtype, as a tensor-core GEMM takes them).
@@ -499,9 +500,15 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   const int64_t cap = chunk_capacity(group_, C);
   Streams st(comm_stream_.get(), dev, stream);
 
+  // The row weights' gradient through FC2 (see MoEConfig::weight_grads_in_ffn): y is not read again,
+  // so d_y takes its buffer.
+  const bool early = c.apply_weights_early;
+  const bool in_ffn = !early && c.weight_grads_in_ffn && !c.expert_bias_terms;
+  auto d_y_of = [&](const MoEContext::State::Chunk& k) { return in_ffn ? k.y.ref() : k.d_y.ref(); };
   // Every buffer first (see forward).
   for (MoEContext::State::Chunk& k : s.chunks) {
-    ensure(k.d_y, {cap, H}, c.dtype, dev);
+    if (in_ffn) k.d_y = Tensor();
+    else ensure(k.d_y, {cap, H}, c.dtype, dev);
     ensure(k.d_recv_weights, {cap}, gt, dev);
     ensure(k.d_recv_x, {cap, H}, c.dtype, dev);
   }
@@ -518,9 +525,10 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   // Every chunk's output gradient to its experts.
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
-    const bool early = c.apply_weights_early;
-    combine_backward(group_, k.handle, rows_of(d_out, k), k.y, early ? TensorRef() : k.recv_weights.ref(), k.d_y,
-                     early ? TensorRef() : k.d_recv_weights.ref(), st.comm);
+    const bool weighted = !early && !in_ffn;
+    combine_backward(group_, k.handle, rows_of(d_out, k), weighted ? k.y.ref() : TensorRef(),
+                     weighted ? k.recv_weights.ref() : TensorRef(), d_y_of(k),
+                     weighted ? k.d_recv_weights.ref() : TensorRef(), st.comm);
     st.mark_comm("bwd.combine");
     st.comm_done(i);
   }
@@ -542,13 +550,15 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.main_waits(i);
-    const MlpTensors mt = routed_tensors(c, params_, group_, k);
-    MlpGrads mg{k.d_y, k.d_recv_x, c.apply_weights_early ? k.d_recv_weights.ref() : TensorRef(),
+    MlpTensors mt = routed_tensors(c, params_, group_, k);
+    if (in_ffn) mt.row_weights = k.recv_weights;
+    MlpGrads mg{d_y_of(k), k.d_recv_x, early || in_ffn ? k.d_recv_weights.ref() : TensorRef(),
                 grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
     {
-      detail::PhasePrefix in_ffn("bwd.ffn.");
+      detail::PhasePrefix in_ffn_phase("bwd.ffn.");
       MlpConfig mc{c.activation, c.apply_weights_early, c.precision, consume, acc || i > 0};
       mc.accumulate_in_weight_dtype = i > 0;  // bf16 expert gradients: one rounding per chunk
+      mc.combine_weight_grads = in_ffn;
       const detail::GemmSmLimit beside_collectives(beside_other_chunks);
       expert_mlp_backward(mc, mt, mg, stream);
     }

@@ -9,11 +9,13 @@
 //   y[r]   = round( sum_f h[r, f] w_out[j, f, :]  (+ b_out[j, :]) )
 // Backward, from the saved a (rounded) and h:
 //   d_h    = sum_n d_y[r, n] w_out[j, :, n]                         kept in Acc, not rounded
-//   early: d_row_weights[r] = sum_f d_h[f] act_u[f] (act_u = unweighted act), d_act = d_h w_r;
-//   else d_act = d_h
+//   early or combine_weight_grads: d_row_weights[r] = sum_f d_h[f] act_u[f] (act_u = unweighted act),
+//   d_act = d_h w_r; else d_act = d_h
 //   d_a_0  = d_act * d act / d a_0,  d_a_1 = d_act * d act / d a_1  (gated)   kept in Acc
 //   d_x[r] = round( sum over (p, f) ascending of d_a_p[f] w_in[j, :, p, f] )
-//   d_w_out[j] = round(sum_r h[r]^T d_y[r]), d_b_out[j] = round(sum_r d_y[r]),
+//   d_w_out[j] = round(sum_r h[r]^T d_y[r]) (combine_weight_grads: round(w_r round(act(a[r]))) in place
+//   of h[r], the activation recomputed from the saved a),
+//   d_b_out[j] = round(sum_r d_y[r]),
 //   d_w_in[j, :, p] = round(sum_r x[r]^T d_a_p[r]), d_b_in[j, p] = round(sum_r d_a_p[r]),
 //   (with accumulate_weight_grads each of these is round(old + sum), an expert without rows untouched)
 //   each sum over the group's real rows in ascending order (zeros for an empty group).
@@ -229,6 +231,9 @@ template <class Acc>
 void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
   const int64_t H = t.x.size(1), P = t.w_in.size(2), F = t.w_in.size(3), PF = P * F;
   const bool bias = t.b_in.defined(), early = c.apply_weights_early, gated = P == 2;
+  // Row weights in backward: applied to h (early), or combine's, whose gradient comes through FC2.
+  const bool late = c.combine_weight_grads, weighted = early || late;
+  Tensor hw_rounded = late ? Tensor::empty({F}, t.h.dtype()) : Tensor();  // round(w_row * h), as d_w_out reads it
   const std::vector<GroupSpan> groups = read_groups("epx::expert_mlp_backward", t.offsets, t.rows, t.x.size(0));
   std::vector<Acc> x(H), a(PF), h(F), dy(H), dh(F), da(PF), dx(H);
   std::vector<Acc> dw_in(P * H * F), db_in(PF), dw_out(F * H), db_out(H);
@@ -249,19 +254,28 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
         load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());
         load_row(d.d_y.data(), d.d_y.dtype(), r * H, H, dy.data());
         row_times_matrix(dy.data(), H, w_out_t.data(), F, dh.data());
-        const Acc w_r = early ? static_cast<Acc>(load_as_double(t.row_weights.data(), t.row_weights.dtype(), r)) : Acc(1);
+        const Acc w_r =
+            weighted ? static_cast<Acc>(load_as_double(t.row_weights.data(), t.row_weights.dtype(), r)) : Acc(1);
         Acc d_w_r = 0;
         for (int64_t f = 0; f < F; ++f) {
           const ActGrad<Acc> q = act_grad(c.activation, a[f], gated ? a[F + f] : Acc(0));
           Acc d_act = dh[f];
-          if (early) {
+          if (weighted) {
             d_w_r += dh[f] * q.act;
             d_act *= w_r;
           }
           da[f] = d_act * q.d0;
           if (gated) da[F + f] = d_act * q.d1;
         }
-        if (early) store_from_double(d.d_row_weights.data(), d.d_row_weights.dtype(), r, static_cast<double>(d_w_r));
+        if (weighted) store_from_double(d.d_row_weights.data(), d.d_row_weights.dtype(), r, static_cast<double>(d_w_r));
+        if (late) {  // d_w_out's rows: round(w_r * round(act)) from the saved a (the GPU's h is d_h's by now)
+          for (int64_t f = 0; f < F; ++f) h[f] = act_value(c.activation, a[f], gated ? a[F + f] : Acc(0));
+          store_row(hw_rounded.data(), hw_rounded.dtype(), 0, F, h.data());
+          load_row(hw_rounded.data(), hw_rounded.dtype(), 0, F, h.data());
+          for (int64_t f = 0; f < F; ++f) h[f] *= w_r;
+          store_row(hw_rounded.data(), hw_rounded.dtype(), 0, F, h.data());
+          load_row(hw_rounded.data(), hw_rounded.dtype(), 0, F, h.data());
+        }
         row_times_matrix(da.data(), PF, w_in_t.data(), H, dx.data());
         store_row(d.d_x.data(), d.d_x.dtype(), r * H, H, dx.data());
         for (int64_t f = 0; f < F; ++f) {
@@ -290,7 +304,7 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
       }
     }
     zero_padding(d.d_x, g, H);
-    if (early) zero_padding(d.d_row_weights, g, 1);
+    if (weighted) zero_padding(d.d_row_weights, g, 1);
   }
 }
 

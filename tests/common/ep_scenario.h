@@ -30,12 +30,14 @@ struct EpCase {
   double mask_p = 0.1;
   double zipf = 0;
   uint32_t seed = 1;
+  bool weighted_combine_bwd = true;  // false: combine_backward without row weights (d_y = d_out[t], no dot)
 
   int tokens_of(int r) const { return tokens.empty() ? max_tokens : tokens[r]; }
   std::string str() const {
     return detail::concat("R=", ranks, " E=", E, " K=", K, " H=", H, " align=", align, " payload=", dtype_name(payload),
                           " idx=", dtype_name(idx_dtype), " cf=", capacity, " drop=", static_cast<int>(drop), " hot=", hot,
-                          " only_rank=", only_rank, " zipf=", zipf, " seed=", seed);
+                          " only_rank=", only_rank, " zipf=", zipf, " seed=", seed,
+                          weighted_combine_bwd ? "" : " unweighted_combine_bwd");
   }
   GroupConfig group_config() const {
     GroupConfig g;
@@ -131,7 +133,12 @@ struct EpRun {
   }
   void dispatch(Group& g, Stream s = {}) { dispatch_forward(g, h, x, w, recv_x, recv_w, s); }
   void combine(Group& g, Stream s = {}) { combine_forward(g, h, y, recv_w, out, s); }
-  void combine_bwd(Group& g, Stream s = {}) { combine_backward(g, h, d_out, y, recv_w, d_y, d_row_w, s); }
+  void combine_bwd(Group& g, Stream s = {}) {
+    if (c.weighted_combine_bwd)
+      combine_backward(g, h, d_out, y, recv_w, d_y, d_row_w, s);
+    else
+      combine_backward(g, h, d_out, TensorRef(), TensorRef(), d_y, TensorRef(), s);
+  }
   void dispatch_bwd(Group& g, Stream s = {}) { dispatch_backward(g, h, d_recv, d_recv_w, d_x, d_topk_w, s); }
   void all_four(Group& g, Stream s = {}) {
     prepare(g, s);

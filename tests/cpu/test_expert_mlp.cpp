@@ -336,6 +336,86 @@ TEST(ExpertMlp, BackwardMatchesFiniteDifferencesForEveryActivationBiasAndEarlyWe
       }
 }
 
+// combine_weight_grads (weights applied in combine, d_y unweighted, their gradient through FC2)
+// against the route it replaces in fp64: d_y weighted by the row weight, a plain backward, and
+// d_row_weights = <d_y, y> per row. Every gradient agrees to fp64 rounding, and padding rows of
+// d_row_weights are zero; biases and early weights with it are errors.
+TEST(ExpertMlp, CombineWeightGradsEqualWeightingDyInCombine) {
+  const Layout L = make_layout({3, 0, 2, 4}, 4, 2);
+  uint32_t seed = 700;
+  for (Activation act : kActivations) {
+    SCOPED_TRACE(activation_name(act));
+    Problem p = make_problem({act, false}, false, L, 6, 5, DType::kF64, DType::kF64, seed++);
+    expert_mlp_forward(p.config, p.tensors());
+    std::mt19937 rng(seed++);
+    std::uniform_real_distribution<double> u(0.05, 1.0);
+    Tensor w = Tensor::empty({L.total}, DType::kF64), d_y_w = p.d_y.clone();
+    for (int64_t r = 0; r < L.total; ++r) {
+      const double wr = L.real(r) ? u(rng) : NAN;  // never read on padding rows
+      w.ptr<double>()[r] = wr;
+      if (L.real(r))
+        for (int64_t n = 0; n < p.H; ++n) d_y_w.ptr<double>()[r * p.H + n] *= wr;
+    }
+    // The route it replaces: d_y weighted, plain backward, the dot against y.
+    Problem q = p;
+    q.d_x = Tensor::full(p.d_x.shape(), DType::kF64, kSentinel);
+    q.d_w_in = Tensor::full(p.d_w_in.shape(), DType::kF64, kSentinel);
+    q.d_w_out = Tensor::full(p.d_w_out.shape(), DType::kF64, kSentinel);
+    q.d_y = d_y_w;
+    expert_mlp_backward(q.config, q.tensors(), q.grads());
+
+    MlpConfig late = p.config;
+    late.combine_weight_grads = true;
+    MlpTensors t = p.tensors();
+    t.row_weights = w;
+    MlpGrads g = p.grads();
+    Tensor d_w = Tensor::full({L.total}, DType::kF64, kSentinel);
+    g.d_row_weights = d_w;
+    expert_mlp_backward(late, t, g);
+
+    auto expect_same = [](const Tensor& got, const Tensor& want, const char* name) {
+      ASSERT_EQ(got.numel(), want.numel()) << name;
+      for (int64_t i = 0; i < got.numel(); ++i)
+        ASSERT_NEAR(got.item(i), want.item(i), 1e-12 * (1 + std::fabs(want.item(i)))) << name << "[" << i << "]";
+    };
+    expect_same(p.d_x, q.d_x, "d_x");
+    expect_same(p.d_w_in, q.d_w_in, "d_w_in");
+    expect_same(p.d_w_out, q.d_w_out, "d_w_out");
+    int64_t real_rows = 0;
+    for (int64_t r = 0; r < L.total; ++r) {
+      if (!L.real(r)) continue;
+      double dot = 0;
+      for (int64_t n = 0; n < p.H; ++n) dot += p.d_y.item(r * p.H + n) * p.y.item(r * p.H + n);
+      ASSERT_NEAR(d_w.item(r), dot, 1e-12 * (1 + std::fabs(dot))) << "d_row_weights[" << r << "]";
+      ++real_rows;
+    }
+    EXPECT_EQ(real_rows, 9);
+    expect_padding_and_tail(d_w, L, "d_row_weights");
+  }
+
+  // With biases (b_out would add <d_y, b_out> to the dot) and with early weights: errors.
+  Problem b = make_problem({Activation::kSwiGLU, false}, true, L, 6, 5, DType::kF64, DType::kF64, 1);
+  Tensor w = Tensor::full({L.total}, DType::kF64, 0.5), d_w = Tensor::zeros({L.total}, DType::kF64);
+  MlpConfig late{Activation::kSwiGLU, false};
+  late.combine_weight_grads = true;
+  MlpTensors t = b.tensors();
+  t.row_weights = w;
+  MlpGrads g = b.grads();
+  g.d_row_weights = d_w;
+  EXPECT_NE(what_of([&] { expert_mlp_backward(late, t, g); }).find("combine_weight_grads needs a layer without biases"),
+            std::string::npos);
+  Problem e = make_problem({Activation::kSwiGLU, true}, false, L, 6, 5, DType::kF64, DType::kF64, 2);
+  MlpConfig both = e.config;
+  both.combine_weight_grads = true;
+  EXPECT_NE(what_of([&] { expert_mlp_backward(both, e.tensors(), e.grads()); }).find("are both set"),
+            std::string::npos);
+  Problem n = make_problem({Activation::kSwiGLU, false}, false, L, 6, 5, DType::kF64, DType::kF64, 3);
+  MlpGrads ng = n.grads();
+  ng.d_row_weights = d_w;
+  EXPECT_NE(what_of([&] { expert_mlp_backward(late, n.tensors(), ng); }).find("row_weights is missing"),
+            std::string::npos);
+}
+
 TEST(ExpertMlp, EdgeLayouts) {
   // G = 1 with one row; G = 1 with all rows; an empty group first; rows_total = 0; no real rows.
   const std::vector<Layout> layouts = {make_layout({1}, 1, 0), make_layout({6}, 4, 1), make_layout({0, 4}, 4, 2),

@@ -235,6 +235,7 @@ const std::vector<Variant>& variants() {
          c.activation = Activation::kGelu;
          c.expert_bias_terms = true;
        }},
+      {"weight_grads_in_combine", [](MoEConfig& c) { c.weight_grads_in_ffn = false; }},
       {"weights_early_geglu", [](MoEConfig& c) {
          c.apply_weights_early = true;
          c.activation = Activation::kGeGLU;

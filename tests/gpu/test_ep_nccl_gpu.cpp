@@ -198,6 +198,31 @@ TEST_P(EpNcclGpu, BatchesOnBothSidesOfTheDecodeKernelMatchReference) {
   compare_all(odd, odd_groups);
 }
 
+// combine_backward without row weights (the layer's backward when the expert FFN computes the row
+// weights' gradients) copies d_out rows: on zero-copy it runs the dispatch's launch. Uniform, skewed,
+// one-rank and masked routings, a row length off the 16-byte vectors, align 1 and 128.
+TEST_P(EpNcclGpu, UnweightedCombineBackwardMatchesReference) {
+  EPX_REQUIRE_GPUS(2);
+  EpCase c = base_case();
+  c.weighted_combine_bwd = false;
+  auto groups = make(c);
+  for (uint32_t seed : {3u, 4u}) {
+    c.seed = seed;
+    c.zipf = seed == 4 ? 2 : 0;
+    compare_all(c, groups);
+  }
+  EpCase one = c;
+  one.only_rank = c.ranks - 1;
+  one.mask_p = 0.3;
+  compare_all(one, groups);
+  EpCase odd = base_case();
+  odd.weighted_combine_bwd = false;
+  odd.H = 61;
+  odd.align = 128;
+  auto odd_groups = make(odd);
+  compare_all(odd, odd_groups);
+}
+
 // fp8 rows with fp32 1x128 scales and with e8m0 MX scales travel together; every received byte
 // equals the reference's. (The staged transport sends only H + scale bytes per row.)
 TEST_P(EpNcclGpu, QuantizedDispatchMatchesReference) {

@@ -3,6 +3,7 @@
 // reference keeps fp32, so comparisons use a relative norm: ||got - want|| / ||want||.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -40,6 +41,13 @@ double rel_err(const TensorRef& got_any, const TensorRef& want_any) {
     den += want.item(i) * want.item(i);
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+double max_abs(const TensorRef& t_any) {
+  const Tensor t = to_host(t_any);
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(t.item(i)));
+  return m;
 }
 
 Tensor randn(Shape s, DType dt, uint32_t seed, double scale = 1.0) {
@@ -542,16 +550,21 @@ TEST(GroupedGemmGpu, Fp8ForwardRejectsShapesOffTheBlocks) {
   }
 }
 
+// Row weights: none (combine weights d_y), early (between FC1 and FC2), or combine's with their
+// gradient through FC2 (MlpConfig::combine_weight_grads; d_h over h, as a layer runs it).
 TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
   EPX_REQUIRE_GROUPED();
   for (Activation act : {Activation::kSwiGLU, Activation::kGelu})
-    for (bool early : {false, true}) {
-      SCOPED_TRACE(std::string(activation_name(act)) + (early ? " early" : ""));
+    for (int mode : {0, 1, 2}) {
+      const bool early = mode == 1, late = mode == 2, weighted = early || late;
+      SCOPED_TRACE(std::string(activation_name(act)) + (early ? " early" : late ? " combine_weight_grads" : ""));
       const int64_t H = 64, F = 48, P = is_gated(act) ? 2 : 1;
       const Layout L = make_layout({20, 0, 33, 1, 7}, 8);
       const int G = static_cast<int>(L.rows.size(0));
       const int64_t R = L.total;
-      MlpConfig cfg{act, early, MlpPrecision::kHigh};
+      MlpConfig cfg{act, early, MlpPrecision::kHigh}, bwd = cfg;
+      bwd.combine_weight_grads = late;
+      bwd.backward_consumes_saved = late;
       Tensor x = randn({R, H}, DType::kBF16, 10), w_in = randn({G, H, P, F}, DType::kBF16, 11, 0.15);
       Tensor w_out = randn({G, F, H}, DType::kBF16, 12, 0.15), rw = randn({R}, DType::kF32, 13, 0.5);
       Tensor d_y = randn({R, H}, DType::kBF16, 14);
@@ -568,8 +581,9 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
         d_w_out = zeros({G, F, H}, DType::kF32);
         d_rw = zeros({R}, DType::kF32);
         const Tensor dys = put(d_y);  // named: the grads view must not outlive its storage
-        MlpGrads g{dys, d_x, early ? d_rw.ref() : TensorRef(), d_w_in, {}, d_w_out, {}};
-        expert_mlp_backward(cfg, t, g);
+        MlpGrads g{dys, d_x, weighted ? d_rw.ref() : TensorRef(), d_w_in, {}, d_w_out, {}};
+        if (late) t.row_weights = r;
+        expert_mlp_backward(bwd, t, g);
       };
       Tensor y0, dx0, dwi0, dwo0, drw0, y1, dx1, dwi1, dwo1, drw1;
       run(false, y0, dx0, dwi0, dwo0, drw0);
@@ -578,8 +592,9 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
       EXPECT_LT(rel_err(dx1, dx0), 3e-2) << "d_x";
       EXPECT_LT(rel_err(dwi1, dwi0), 3e-2) << "d_w_in";
       EXPECT_LT(rel_err(dwo1, dwo0), 2e-2) << "d_w_out";
-      if (early) {
+      if (weighted) {
         EXPECT_LT(rel_err(drw1, drw0), 3e-2) << "d_row_weights";
+        EXPECT_GT(max_abs(drw0), 0.0) << "a check of zeros";
       }
     }
 }

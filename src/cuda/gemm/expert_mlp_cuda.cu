@@ -197,9 +197,12 @@ __global__ void __launch_bounds__(256, 4)
 // One block per row: d_a from d_h and the saved a (d_a may alias a: each element is read before it
 // is written, by the same thread); the row-weight gradient by a fixed block reduction; padding rows
 // get d_row_weights 0 and d_a 0. kActLanes consecutive columns per thread, as in act_forward_kernel.
+// weighted_h (combine_weight_grads): round(w * round(act)) for FC2's weight gradient, written over
+// d_h (each lane reads its d_h elements before it writes them).
 __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows, const int32_t* offsets,
                                     const int32_t* rows, int G, const float* row_weights, const __nv_bfloat16* a,
-                                    const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights) {
+                                    const __nv_bfloat16* d_h, __nv_bfloat16* d_a, float* d_row_weights,
+                                    __nv_bfloat16* weighted_h) {
   __shared__ float red[32];
   const int64_t i0 = threadIdx.x * int64_t{kActLanes}, step = blockDim.x * int64_t{kActLanes};
   for (int64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
@@ -218,7 +221,7 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
     const float w = row_weights && real ? row_weights[r] : 1.0f;
     float dw = 0.0f;
     for (int64_t i = i0; i < F; i += step) {
-      ActLanes o0, o1;
+      ActLanes o0, o1, oh;
       if (real) {
         ActLanes x0 = first0, x1 = first1, dh = first_dh;
         if (i != i0) {
@@ -239,13 +242,15 @@ __global__ void act_backward_kernel(int f, int P, int64_t F, int64_t total_rows,
           }
           o0.v[j] = __float2bfloat16_rn(dact * g0);
           o1.v[j] = __float2bfloat16_rn(dact * g1);
+          oh.v[j] = __float2bfloat16_rn(w * __bfloat162float(__float2bfloat16_rn(v)));
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < kActLanes; ++j) o0.v[j] = o1.v[j] = __float2bfloat16_rn(0.0f);
+        for (int j = 0; j < kActLanes; ++j) o0.v[j] = o1.v[j] = oh.v[j] = __float2bfloat16_rn(0.0f);
       }
       store_lanes(dar + i, o0);
       if (P == 2) store_lanes(dar + F + i, o1);
+      if (weighted_h) store_lanes(weighted_h + r * F + i, oh);
     }
     if (d_row_weights) {
       for (int m = 16; m > 0; m >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, m);
@@ -390,18 +395,20 @@ void act_forward(const MlpConfig& c, const MlpTensors& t, int64_t R, int64_t P, 
   EPX_CHECK_LAUNCH("act_forward_kernel");
 }
 
-void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, const __nv_bfloat16* d_h,
+void act_backward(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d, __nv_bfloat16* d_h,
                   __nv_bfloat16* d_a, int64_t R, int64_t P, int64_t F, int G, cudaStream_t s) {
   const int32_t* off = t.offsets.ptr<int32_t>();
   const int32_t* rows = t.rows.ptr<int32_t>();
-  const float* w = c.apply_weights_early ? t.row_weights.ptr<float>() : nullptr;
-  float* d_w = c.apply_weights_early ? d.d_row_weights.ptr<float>() : nullptr;
+  const bool weighted = c.apply_weights_early || c.combine_weight_grads;
+  const float* w = weighted ? t.row_weights.ptr<float>() : nullptr;
+  float* d_w = weighted ? d.d_row_weights.ptr<float>() : nullptr;
   const auto* a = static_cast<const __nv_bfloat16*>(t.a.data());
   const int f = static_cast<int>(c.activation), p = static_cast<int>(P);
   require_16_byte_rows("a", a);
   require_16_byte_rows("d_h", d_h);
   require_16_byte_rows("d_a", d_a);
-  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w);
+  act_backward_kernel<<<row_grid(R), 256, 0, s>>>(f, p, F, R, off, rows, G, w, a, d_h, d_a, d_w,
+                                                  c.combine_weight_grads ? d_h : nullptr);
   EPX_CHECK_LAUNCH("act_backward_kernel");
 }
 
@@ -584,9 +591,15 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   }
   if (t.b_out.defined())
     group_column_sums(d.d_y.data(), H, H, off, rows, G, c.accumulate_weight_grads, d.d_b_out, s);
-  // wgrad of FC2 first: it is h's last reader, so d_h may then take h's place.
-  wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, R, beta, stream);
-  detail::phase_mark(stream, "wgrad_fc2");
+  // Weights applied in combine with d_y unweighted (combine_weight_grads): FC2's wgrad needs the
+  // weighted activations the act pass writes, so it comes after that pass; h is never read (the pass
+  // recomputes the activation from a), so d_h may take h's place all the same. Otherwise wgrad of FC2
+  // first: it is h's last reader.
+  const bool late = c.combine_weight_grads;
+  if (!late) {
+    wgrad({t.h.data(), F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, R, beta, stream);
+    detail::phase_mark(stream, "wgrad_fc2");
+  }
   const bool in_place = c.backward_consumes_saved;
   // d_h and d_a: over h and a, or in the caller's workspace [R, (P+1)*F], or in the device scratch.
   auto* ws = static_cast<__nv_bfloat16*>(d.workspace.data());
@@ -603,6 +616,10 @@ void expert_mlp_backward_cuda(const MlpConfig& c, const MlpTensors& t, const Mlp
   act_backward(c, t, d, d_h, d_a, R, P, F, G, s);
   if (t.b_in.defined()) group_column_sums(d_a, PF, PF, off, rows, G, c.accumulate_weight_grads, d.d_b_in, s);
   detail::phase_mark(stream, "act");
+  if (late) {  // d_h's buffer now holds round(w * act)
+    wgrad({d_h, F, 0}, {d.d_y.data(), H, 0}, d.d_w_out, 0, F * H, F, H, off, rows, G, R, beta, stream);
+    detail::phase_mark(stream, "wgrad_fc2");
+  }
   // d_x [rows, H] = d_a [rows, P*F] . w_in_g^T, w_in_g [H, P*F] row-major.
   grouped_dgrad_bf16({d_a, PF, 0}, {t.w_in.data(), PF, H * PF}, d.d_x.data(), H, PF, H, off, rows, G, R, stream,
                      t.row_align);
