@@ -12,7 +12,9 @@
 // dispatch_us / combine_us are eager (host launches included); dispatch_graph_us / combine_graph_us
 // the same ops replayed from a CUDA graph. fp8_dispatch_us (and _graph_us): the dispatch of an x
 // already in FP8 with 1x128 scales; fp8_quantizing_dispatch_us: the bf16 x quantized on the way.
-// combine_backward_us: the combine's backward with row weights and their gradient, as the layer runs it.
+// combine_backward_us: the combine's backward with row weights and their gradient against y (the layer
+// with MoEConfig::weight_grads_in_ffn off or with expert biases); combine_backward_unweighted_us: without
+// them (a copy of d_out to the expert rows, the layer's default: their gradient comes through FC2).
 // *_host_us: the host's wall time per call of the enqueue alone (no wait), beside the eager times.
 // usage: bench_ep [--tokens T] [--hidden H] [--experts E] [--topk K] [--sms N (default 32; 0 = no budget)]
 //                 [--transport zerocopy|staged|both]        (default: sweep, both transports)
@@ -198,10 +200,11 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport, 
     });
     const double host_comb = host_enqueue([&](int) { combine_forward(g, h, recv, rw, out); });
     g.check();
-    // combine_backward as the layer calls it: d_out to every expert row times its weight, the weights'
-    // gradient from y = recv.
+    // combine_backward weighted: d_out to every expert row times its weight, the weights' gradient
+    // from y = recv; and unweighted, as the layer calls it by default.
     Tensor d_y = Tensor::empty({cap, H}, DType::kBF16, dev), d_rw = Tensor::empty({cap}, DType::kF32, dev);
     const double t_cbwd = timed([&](int) { combine_backward(g, h, out, recv, rw, d_y, d_rw); });
+    const double t_cbwd_u = timed([&](int) { combine_backward(g, h, out, TensorRef(), TensorRef(), d_y, TensorRef()); });
     g.check();
     // The same two ops replayed from a CUDA graph: what a caller that captures its step sees, without
     // the host's launch cost (which the eager timings above include: ~2 launches per op).
@@ -288,6 +291,7 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport, 
         .add("dispatch_us", t_disp)
         .add("combine_us", t_comb)
         .add("combine_backward_us", t_cbwd)
+        .add("combine_backward_unweighted_us", t_cbwd_u)
         .add("prepare_host_us", host_prep)
         .add("dispatch_host_us", host_pd - host_prep)
         .add("combine_host_us", host_comb)

@@ -52,6 +52,7 @@ struct LayerBenchOptions {
   int chunks = 1;  // MoEConfig::pipeline_chunks
   bool overlap = false;  // MoEConfig::overlap_communication
   bool fp32_expert_grads = false;
+  bool weight_grads_in_ffn = true;  // MoEConfig::weight_grads_in_ffn
 };
 
 int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, int iters, const LayerBenchOptions& o) {
@@ -67,6 +68,7 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     c.overlap_communication = o.overlap;
     c.precision = precision;
     c.fp8_weight_cache = fp8_weight_cache;
+    c.weight_grads_in_ffn = o.weight_grads_in_ffn;
     GroupConfig gc = layer_group_config(c, T);
     gc.num_sms = o.sms;
     gc.align = o.align;
@@ -91,14 +93,15 @@ int bench_layer_rank(const std::vector<std::string>& presets, long long tokens, 
     if (talk)
       std::printf("{\"bench\":\"layer\",\"impl\":\"epx\",\"preset\":\"%s\",\"precision\":\"%s\","
                   "\"fp8_weight_cache\":%s,\"sm_budget\":%d,\"align\":%d,\"chunks\":%d,\"overlap\":%s,"
-                  "\"expert_grads\":\"%s\",\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
+                  "\"expert_grads\":\"%s\",\"weight_grads\":\"%s\",\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
                   "\"ffn\":%lld,\"shared_ffn\":%lld,\"experts\":%d,\"topk\":%d,\"transport\":\"%s\",\"fwd_us\":%.1f,"
                   "\"fwd_bwd_us\":%.1f,\"expert_gemm_tflop_fwd_bwd\":%.3f,\"dense_bf16_tflops\":%.1f,"
                   "\"tensor_core_floor_us\":%.1f,\"fwd_bwd_over_floor\":%.3f,\"achieved_tflops_fwd_bwd\":%.1f,"
                   "\"gpu_mem_used_gb\":%.2f,\"gpu_mem_layer_gb\":%.2f,\"registered_gb\":%.3f,\"iters\":%d,"
                   "\"phases_ms_total\":%s}\n",
                   p.name.c_str(), mlp_precision_name(precision), fp8_weight_cache ? "true" : "false", o.sms, o.align,
-                  o.chunks, o.overlap ? "true" : "false", dtype_name(run.layer().grads().w_in.dtype()), group.size(),
+                  o.chunks, o.overlap ? "true" : "false", dtype_name(run.layer().grads().w_in.dtype()),
+                  o.weight_grads_in_ffn ? "ffn" : "combine", group.size(),
                   static_cast<long long>(T), static_cast<long long>(c.hidden),
                   static_cast<long long>(c.ffn_hidden), static_cast<long long>(c.shared_ffn_hidden),
                   c.router.num_experts, c.router.topk, transport_name(group.transport()), fwd, fwd_bwd, flops / 1e12,
@@ -119,7 +122,7 @@ int run_bench(const std::vector<std::string>& argv) {
     std::printf("usage: epx bench layer [--preset deepseek-v3,mixtral] [--tokens T] [--iters N] [--ranks N]\n"
                 "                       [--precision high|fp8_block|mxfp8] [--fp8-weight-cache 0|1]\n"
                 "                       [--sms N] [--align 16|128] [--chunks N] [--overlap 0|1]\n"
-                "                       [--fp32-expert-grads 0|1]\n"
+                "                       [--fp32-expert-grads 0|1] [--weight-grads ffn|combine]\n"
                 "  the MoE layer forward and forward+backward on every local GPU (one process per GPU), with\n"
                 "  the tensor-core floor of its expert GEMMs and the GPU memory in use; JSON lines. fp8_block\n"
                 "  runs the expert GEMMs' forward in FP8 (DeepSeek-V3 block scales; backward in bf16); with the\n"
@@ -129,12 +132,13 @@ int run_bench(const std::vector<std::string>& argv) {
                 "  contiguous 128-row blocks, at the price of more padding rows); --chunks N pipelines N token\n"
                 "  chunks through dispatch, expert FFNs and combine, and --overlap 1 runs the collectives on a\n"
                 "  stream of their own beside the FFNs (with --sms, the GEMMs keep SMs); expert weight gradients\n"
-                "  are bf16 unless --fp32-expert-grads 1\n");
+                "  are bf16 unless --fp32-expert-grads 1; --weight-grads combine takes the row weights' gradient\n"
+                "  in combine_backward against y instead of through FC2 (MoEConfig::weight_grads_in_ffn)\n");
     return what == "help" || what == "--help" ? 0 : 2;
   }
   Args args("epx bench layer", rest,
             {"preset", "tokens", "iters", "ranks", "precision", "fp8-weight-cache", "sms", "align", "chunks", "overlap",
-             "fp32-expert-grads"},
+             "fp32-expert-grads", "weight-grads"},
             {});
   const BuildInfo build = build_info();
   const int gpus = detail::cuda_device_count();
@@ -163,6 +167,9 @@ int run_bench(const std::vector<std::string>& argv) {
           ", expected 1..", MoEConfig::kMaxPipelineChunks);
   o.overlap = args.integer("overlap", 0) != 0;
   o.fp32_expert_grads = args.integer("fp32-expert-grads", 0) != 0;
+  const std::string wg = args.str("weight-grads", "ffn");
+  require(wg == "ffn" || wg == "combine", "epx bench layer", "--weight-grads is \"", wg, "\", expected ffn or combine");
+  o.weight_grads_in_ffn = wg == "ffn";
   return run_on_local_gpus("bench", static_cast<int>(args.integer("ranks", gpus)), gpus, argv,
                            [&] { return bench_layer_rank(presets, tokens, iters, o); });
 }
