@@ -170,7 +170,7 @@ struct MlpTensors {
 /// combine_weight_grads.
 struct MlpGrads {
   TensorRef d_y;            // [rows, H] in
-  TensorRef d_x;            // [rows, H] out
+  TensorRef d_x;            // [rows, H] out; may be x itself (x is read only before d_x is written)
   TensorRef d_row_weights;  // [rows] fp32 (fp64 with fp64 data) out, apply_weights_early / combine_weight_grads
   TensorRef d_w_in, d_b_in, d_w_out, d_b_out;
   /// Optional [rows, (P+1)*F] in the data dtype: where the GPU backward keeps d_h and d_a when it

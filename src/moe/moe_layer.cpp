@@ -505,12 +505,17 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   const bool early = c.apply_weights_early;
   const bool in_ffn = !early && c.weight_grads_in_ffn && !c.expert_bias_terms;
   auto d_y_of = [&](const MoEContext::State::Chunk& k) { return in_ffn ? k.y.ref() : k.d_y.ref(); };
+  // A backward that consumes the saved tensors lets d_recv_x take recv_x's place where both have the
+  // layer dtype (the FFN reads x before it writes d_x; an FP8 forward's recv_x is fp8).
+  const bool d_x_over_x = consume && c.precision == MlpPrecision::kHigh;
+  auto d_recv_x_of = [&](const MoEContext::State::Chunk& k) { return d_x_over_x ? k.recv_x.ref() : k.d_recv_x.ref(); };
   // Every buffer first (see forward).
   for (MoEContext::State::Chunk& k : s.chunks) {
     if (in_ffn) k.d_y = Tensor();
     else ensure(k.d_y, {cap, H}, c.dtype, dev);
     ensure(k.d_recv_weights, {cap}, gt, dev);
-    ensure(k.d_recv_x, {cap, H}, c.dtype, dev);
+    if (d_x_over_x) k.d_recv_x = Tensor();
+    else ensure(k.d_recv_x, {cap, H}, c.dtype, dev);
   }
   const Tensor& d_x_routed = ensure(s.d_x_routed, {T, H}, c.dtype, dev);
   const Tensor& d_topk_weights = ensure(s.d_topk_weights, {T, K}, gt, dev);
@@ -552,7 +557,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
     st.main_waits(i);
     MlpTensors mt = routed_tensors(c, params_, group_, k);
     if (in_ffn) mt.row_weights = k.recv_weights;
-    MlpGrads mg{d_y_of(k), k.d_recv_x, early || in_ffn ? k.d_recv_weights.ref() : TensorRef(),
+    MlpGrads mg{d_y_of(k), d_recv_x_of(k), early || in_ffn ? k.d_recv_weights.ref() : TensorRef(),
                 grads_.w_in, grads_.b_in, grads_.w_out, grads_.b_out};
     {
       detail::PhasePrefix in_ffn_phase("bwd.ffn.");
@@ -568,7 +573,7 @@ void MoELayer::backward(MoEContext& ctx, const TensorRef& d_out, const TensorRef
   for (int i = 0; i < C; ++i) {
     MoEContext::State::Chunk& k = s.chunks[i];
     st.comm_waits(i);
-    dispatch_backward(group_, k.handle, k.d_recv_x, k.d_recv_weights, rows_of(d_x_routed, k),
+    dispatch_backward(group_, k.handle, d_recv_x_of(k), k.d_recv_weights, rows_of(d_x_routed, k),
                       rows_of(d_topk_weights, k), st.comm);
     st.mark_comm("bwd.dispatch");
   }

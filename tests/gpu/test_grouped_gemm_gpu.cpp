@@ -551,7 +551,7 @@ TEST(GroupedGemmGpu, Fp8ForwardRejectsShapesOffTheBlocks) {
 }
 
 // Row weights: none (combine weights d_y), early (between FC1 and FC2), or combine's with their
-// gradient through FC2 (MlpConfig::combine_weight_grads; d_h over h, as a layer runs it).
+// gradient through FC2 (MlpConfig::combine_weight_grads; d_h over h and d_x over x, as a layer runs it).
 TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
   EPX_REQUIRE_GROUPED();
   for (Activation act : {Activation::kSwiGLU, Activation::kGelu})
@@ -576,7 +576,7 @@ TEST(ExpertMlpGpu, ForwardBackwardMatchReference) {
         y = zeros({R, H}, DType::kBF16);
         MlpTensors t{xs, off, rows, early ? r.ref() : TensorRef(), wi, {}, wo, {}, a, h, y};
         expert_mlp_forward(cfg, t);
-        d_x = zeros({R, H}, DType::kBF16);
+        d_x = late ? xs : zeros({R, H}, DType::kBF16);  // late: d_x over x, as a consuming layer runs it
         d_w_in = zeros({G, H, P, F}, DType::kF32);
         d_w_out = zeros({G, F, H}, DType::kF32);
         d_rw = zeros({R}, DType::kF32);
