@@ -123,7 +123,8 @@ void bind_configs(nb::module_& m) {
       .def_rw("apply_weights_early", &MlpConfig::apply_weights_early)
       .def_rw("precision", &MlpConfig::precision)
       .def_rw("backward_consumes_saved", &MlpConfig::backward_consumes_saved)
-      .def_rw("accumulate_weight_grads", &MlpConfig::accumulate_weight_grads);
+      .def_rw("accumulate_weight_grads", &MlpConfig::accumulate_weight_grads)
+      .def_rw("combine_weight_grads", &MlpConfig::combine_weight_grads);
   nb::class_<MoEConfig>(m, "MoEConfig")
       .def(nb::init<>())
       .def_rw("hidden", &MoEConfig::hidden)
@@ -132,6 +133,7 @@ void bind_configs(nb::module_& m) {
       .def_rw("activation", &MoEConfig::activation)
       .def_rw("expert_bias_terms", &MoEConfig::expert_bias_terms)
       .def_rw("apply_weights_early", &MoEConfig::apply_weights_early)
+      .def_rw("weight_grads_in_ffn", &MoEConfig::weight_grads_in_ffn)
       .def_rw("capacity", &MoEConfig::capacity)
       .def_rw("shared_ffn_hidden", &MoEConfig::shared_ffn_hidden)
       .def_rw("dtype", &MoEConfig::dtype)

@@ -55,6 +55,30 @@ def test_layer_forward_backward_on_the_cpu_reference():
         layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
 
 
+def test_weight_grads_route_reaches_the_layer():
+    """MoEConfig.weight_grads_in_ffn from Python (default True): both routes of the routing weights'
+    gradient give the same d_x on the fp32 CPU reference, up to rounding, and not all zeros."""
+    d_xs = []
+    for in_ffn in (True, False):
+        p, cfg, group, _ = tiny_layer()
+        assert cfg.weight_grads_in_ffn is True
+        cfg.weight_grads_in_ffn = in_ffn
+        layer = _C.MoELayer(group, cfg)
+        layer.init_params(7, 0.5)
+        T, H = 8, p.hidden
+        x, out, d_out, d_x = host(T * H), host(T * H), host(T * H), host(T * H)
+        for i in range(T * H):
+            x[i] = math.sin(0.41 * i)
+            d_out[i] = math.cos(0.13 * i)
+        ctx = _C.MoEContext()
+        layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), ctx)
+        layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
+        d_xs.append([d_x[i] for i in range(T * H)])
+    scale = max(abs(v) for v in d_xs[1])
+    assert scale > 0
+    assert max(abs(a - b) for a, b in zip(*d_xs)) <= 1e-4 * scale
+
+
 def test_pipeline_chunks_reach_the_layer_and_keep_its_output():
     """MoEConfig.pipeline_chunks / overlap_communication from Python: three chunks give the
     one-chunk output bit for bit; a bad chunk count is a ValueError with epx's message."""
