@@ -166,6 +166,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   struct Entry {
     size_t schedule;  // index into schedules
     TileOrderSetting order;
+    const char* epilogue;  // EPX_CONTIGUOUS_EPILOGUE for the contiguous schedule
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns = {
@@ -184,12 +185,18 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
         add_tile_order(j, order).add("error", e.what()).print();
         continue;
       }
-      entries.push_back({si, order});
-      fns.push_back([&, schedule, order] {
-        const ScopedTileOrder scoped_order(order);
-        const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
-        grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y, {}, L.row_align);
-      });
+      // The contiguous schedule with each epilogue (the staged tile's is the default).
+      const bool contiguous = std::strcmp(schedule, "contiguous") == 0;
+      for (const char* epilogue : contiguous ? std::vector<const char*>{"staged", "cutlass"}
+                                             : std::vector<const char*>{"staged"}) {
+        entries.push_back({si, order, epilogue});
+        fns.push_back([&, schedule, order, epilogue] {
+          const ScopedTileOrder scoped_order(order);
+          const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
+          const detail::ScopedEnv scoped_epilogue("EPX_CONTIGUOUS_EPILOGUE", epilogue);
+          grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y, {}, L.row_align);
+        });
+      }
     }
   const std::vector<double> t = bench::time_interleaved(fns);
   // Each schedule's output (default tile order) against the cooperative kernel's, element by element.
@@ -216,7 +223,8 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
     JsonLine j;
     j.add("impl", "epx").add("op", "grouped_gemm_forward_fp8").add("recipe", "fp8_block_1x128_128x128")
         .add("elements_differing_from_cooperative", differ[entries[e].schedule])
-        .add("schedule", schedules[entries[e].schedule]).add("case", name).add("groups", G)
+        .add("schedule", schedules[entries[e].schedule]).add("epilogue", entries[e].epilogue)
+        .add("case", name).add("groups", G)
         .add("row_align", static_cast<long long>(L.row_align))
         .add("rows", static_cast<long long>(L.total)).add("K", static_cast<long long>(K))
         .add("N", static_cast<long long>(N)).add("time_us", t[e + 1]).add("tflops", flops / t[e + 1] * 1e-6)
@@ -369,6 +377,19 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
         const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
         grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx, {}, L.row_align);
       });
+  // Where groups start on 128-row blocks, the contiguous kernels with each epilogue (forward, then dgrad).
+  const std::vector<const char*> epilogues = L.row_align % 128 == 0 ? std::vector<const char*>{"staged", "cutlass"}
+                                                                    : std::vector<const char*>{};
+  for (int d = 0; d < (backward ? 2 : 1); ++d)
+    for (const char* epilogue : epilogues)
+      fns.push_back([&, d, epilogue] {
+        const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", "contiguous");
+        const detail::ScopedEnv scoped_epilogue("EPX_CONTIGUOUS_EPILOGUE", epilogue);
+        if (d == 0)
+          grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align);
+        else
+          grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx, {}, L.row_align);
+      });
   // The forward on fewer SMs, as an overlapped MoE layer runs it beside its collectives (their
   // budget of 16 or 32 SMs left free): what that budget costs the GEMM.
   const int sms = cuda::sm_count();
@@ -400,7 +421,15 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
           .print();
   }
   const size_t first_limit = t.size() - sm_limits.size();
-  const size_t first_schedule = first_limit - pointer_array.size() * (backward ? 2 : 1);
+  const size_t first_epilogue = first_limit - epilogues.size() * (backward ? 2 : 1);
+  const size_t first_schedule = first_epilogue - pointer_array.size() * (backward ? 2 : 1);
+  for (size_t i = 0; i < epilogues.size() * (backward ? 2 : 1); ++i) {
+    const bool dgrad = i >= epilogues.size();
+    const double ti = t[first_epilogue + i], t_auto = dgrad ? t[2] : tf;
+    JsonLine().add("impl", "epx").add("op", dgrad ? "grouped_gemm_dgrad" : "grouped_gemm_forward").add("case", name)
+        .add("schedule", "contiguous").add("epilogue", epilogues[i % epilogues.size()]).add("time_us", ti)
+        .add("tflops", flops / ti * 1e-6).add("auto_speedup", ti / t_auto).print();
+  }
   for (size_t i = 0; i < sm_limits.size(); ++i) {
     const double ti = t[first_limit + i];
     JsonLine().add("impl", "epx").add("op", "grouped_gemm_forward").add("case", name).add("sm_limit", sm_limits[i])

@@ -433,8 +433,9 @@ TEST(GroupedGemmGpu, Fp8BlockwiseForwardMatchesReference) {
   }
 }
 
-// The contiguous FP8 kernel (one GEMM over all rows, groups starting at multiples of 128 rows) does
-// the cooperative kernel's arithmetic on the same 128-row tiles: the same bits on every row, padding
+// The contiguous FP8 kernel (one GEMM over all rows, groups starting at multiples of 128 rows), with
+// either epilogue (the staged tile's, CUTLASS's), does the cooperative kernel's arithmetic on the same
+// 128-row tiles: the same bits on every row, padding
 // zeroed, rows past the layout untouched; auto picks it when the caller promises row_align 128.
 // Layouts: empty groups, single rows, a group of 300 rows between empty ones, one group holding every
 // row, no rows at all, and align 256 (whole padding tiles between groups, computed then zeroed).
@@ -467,15 +468,17 @@ TEST(GroupedGemmGpu, Fp8ContiguousGroupsMatchCooperative) {
     grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y_ref, {}, c.align);
     const Tensor gx_q = to_gpu(x_q), gx_s = to_gpu(x_s), gw_q = to_gpu(w_q), gw_s = to_gpu(w_s);
     const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-    auto run = [&](const char* schedule) {
+    auto run = [&](const char* schedule, const char* epilogue = "staged") {
       Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
       const detail::ScopedEnv kernel("EPX_FP8_GEMM_KERNEL", schedule);
+      const detail::ScopedEnv epi("EPX_CONTIGUOUS_EPILOGUE", epilogue);
       grouped_gemm_forward_fp8(gx_q, gx_s, gw_q, gw_s, off, rows, y, {}, c.align);
       return to_host(y);
     };
     const Tensor want = run("cooperative");
     const Tensor got = run("contiguous");
-    EXPECT_TRUE(testing::bit_equal(got, want)) << "contiguous against cooperative";
+    EXPECT_TRUE(testing::bit_equal(got, want)) << "contiguous (staged epilogue) against cooperative";
+    EXPECT_TRUE(testing::bit_equal(run("contiguous", "cutlass"), want)) << "contiguous, CUTLASS's epilogue";
     EXPECT_TRUE(testing::bit_equal(run("auto"), want)) << "auto with row_align " << c.align;
     for (int g = 0; g < G; ++g)
       for (int64_t r = L.offsets.ptr<int32_t>()[g]; r < L.offsets.ptr<int32_t>()[g] + L.rows.ptr<int32_t>()[g]; ++r)
@@ -502,15 +505,17 @@ TEST(GroupedGemmGpu, Bf16ContiguousGroupsMatchCooperative) {
     const int64_t R = L.total + 3;
     const Tensor x = to_gpu(randn({R, K}, DType::kBF16, 51)), w = to_gpu(randn({G, K, N}, DType::kBF16, 52, 0.1));
     const Tensor off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-    auto run = [&](const char* schedule, int64_t row_align) {
+    auto run = [&](const char* schedule, int64_t row_align, const char* epilogue = "staged") {
       Tensor y = to_gpu(Tensor::full({R, N}, DType::kBF16, 7.0));
       const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", schedule);
+      const detail::ScopedEnv epi("EPX_CONTIGUOUS_EPILOGUE", epilogue);
       grouped_gemm_forward(x, w, off, rows, y, {}, row_align);
       return to_host(y);
     };
     const Tensor want = run("cooperative", align);
     const Tensor got = run("contiguous", align);
-    EXPECT_TRUE(testing::bit_equal(got, want)) << "contiguous against cooperative";
+    EXPECT_TRUE(testing::bit_equal(got, want)) << "contiguous (staged epilogue) against cooperative";
+    EXPECT_TRUE(testing::bit_equal(run("contiguous", align, "cutlass"), want)) << "contiguous, CUTLASS's epilogue";
     EXPECT_TRUE(testing::bit_equal(run("auto", align), want)) << "auto with row_align " << align;
     Tensor ref = Tensor::full({R, N}, DType::kBF16, 7.0);
     grouped_gemm_forward(to_host(x), to_host(w), L.offsets, L.rows, ref, {}, align);
@@ -523,14 +528,16 @@ TEST(GroupedGemmGpu, Bf16ContiguousGroupsMatchCooperative) {
     }
     // dgrad: dx [R, K] = dy [R, N] . w_g^T
     const Tensor dy = to_gpu(randn({R, N}, DType::kBF16, 53));
-    auto dgrad = [&](const char* schedule) {
+    auto dgrad = [&](const char* schedule, const char* epilogue = "staged") {
       Tensor dx = to_gpu(Tensor::full({R, K}, DType::kBF16, 7.0));
       const detail::ScopedEnv kernel("EPX_GEMM_FORWARD_KERNEL", schedule);
+      const detail::ScopedEnv epi("EPX_CONTIGUOUS_EPILOGUE", epilogue);
       grouped_gemm_dgrad(dy, w, off, rows, dx, {}, align);
       return to_host(dx);
     };
     const Tensor dx_want = dgrad("cooperative"), dx_got = dgrad("contiguous");
-    EXPECT_TRUE(testing::bit_equal(dx_got, dx_want)) << "dgrad: contiguous against cooperative";
+    EXPECT_TRUE(testing::bit_equal(dx_got, dx_want)) << "dgrad: contiguous (staged epilogue) against cooperative";
+    EXPECT_TRUE(testing::bit_equal(dgrad("contiguous", "cutlass"), dx_want)) << "dgrad: CUTLASS's epilogue";
     EXPECT_TRUE(testing::bit_equal(dgrad("auto"), dx_want)) << "dgrad: auto with row_align " << align;
     for (int64_t i = L.total * K; i < R * K; ++i) ASSERT_EQ(dx_got.item(i), 7.0) << "dgrad: row past the layout";
   }

@@ -61,6 +61,18 @@ void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* o
 void grouped_dgrad_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                                    const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
                                    Stream stream);
+/// The contiguous kernels' epilogue: EPX_CONTIGUOUS_EPILOGUE=staged (default) | cutlass, read at every
+/// call. staged (staged_tile_epilogue_sm90.cuh) converts the whole tile into shared memory once and
+/// leaves it to TMA box stores that the next tile's MMAs hide; cutlass is CUTLASS's sub-tiled epilogue
+/// (the same bits). true where staged is asked for and out can be a tensor map's base (16-byte aligned,
+/// N and ld_out multiples of 8).
+bool contiguous_staged_epilogue(const void* out, int64_t N, int64_t ld_out);
+void grouped_forward_bf16_contiguous_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
+                                            int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                            int64_t total_rows, Stream stream);
+void grouped_dgrad_bf16_contiguous_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
+                                          int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
+                                          int64_t total_rows, Stream stream);
 /// The forward and dgrad on the ping-pong schedule (the arguments as above).
 void grouped_forward_bf16_pingpong(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                    int64_t N, const int32_t* offsets, const int32_t* rows, int groups, Stream stream);
@@ -144,6 +156,11 @@ void grouped_forward_fp8_blockwise_pingpong(const void* a, const float* a_scales
 void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor, const void* bt, const float* b_scales,
                                     void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                     const int32_t* rows, int groups, int64_t total_rows, Stream stream);
+/// The same with the staged tile's epilogue (contiguous_staged_epilogue).
+void grouped_forward_fp8_contiguous_staged(const void* a, const float* a_scales_mmajor, const void* bt,
+                                           const float* b_scales, void* out, int64_t ld_out, int64_t K, int64_t N,
+                                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
+                                           Stream stream);
 
 /// The FP8 forward's schedule: EPX_FP8_GEMM_KERNEL=cooperative | pingpong | contiguous | auto
 /// (default), read at every call (tests and benchmarks switch it). row_align: what the caller

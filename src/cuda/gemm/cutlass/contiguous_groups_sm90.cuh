@@ -33,6 +33,8 @@
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
+#include "cuda/gemm/cutlass/staged_tile_epilogue_sm90.cuh"
+#include "epx/error.h"
 
 namespace epx::cuda::contiguous {
 
@@ -317,6 +319,22 @@ inline Tables write_tables(grouped::Cache& c, const int32_t* offsets, const int3
   return t;
 }
 
+// The output's epilogue arguments: CUTLASS's epilogue (alpha 1, no source operand) ...
+template <class EpilogueArgs>
+void set_output(EpilogueArgs& e, void* out, int64_t ld_out, int64_t, int64_t, const char*) {
+  e.thread.alpha = 1.0f;
+  e.ptr_D = static_cast<std::remove_reference_t<decltype(e.ptr_D)>>(out);
+  e.dD = cute::make_stride(ld_out, cute::_1{}, static_cast<int64_t>(0));
+  e.dC = e.dD;
+}
+// ... or the staged tile's tensor map over all rows (staged_tile_epilogue_sm90.cuh).
+inline void set_output(staged_tile::TmaStoreArguments& e, void* out, int64_t ld_out, int64_t total_rows, int64_t N,
+                       const char* fn) {
+  const CUresult r = staged_tile::encode_output_map(e, out, total_rows, N, 1, ld_out, ld_out * total_rows);
+  require_status(r == CUDA_SUCCESS, Status::kCudaError, fn, "cuTensorMapEncodeTiled failed (CUresult ",
+                 static_cast<int>(r), ") for ", total_rows, " rows of ", N, " columns, row stride ", ld_out);
+}
+
 // One launch of a contiguous kernel: its tables, the arguments every such kernel takes alike (A and
 // the output over all rows, B (N, K, group) with its group stride, the scheduler's cut and band),
 // then `more` (args, tables) for a kernel's own (the FP8 scales), then CUTLASS's checks and the
@@ -344,10 +362,7 @@ void launch(int cache_id, GroupedOperand a, GroupedOperand b, void* out, int64_t
     ml.dB = cute::make_stride(b.ld, cute::_1{}, b.group_stride);
   ml.groups = groups;
   ml.tile_group = tables.tile_group;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.ptr_D = static_cast<typename Kernel::ElementD*>(out);
-  args.epilogue.dD = cute::make_stride(ld_out, cute::_1{}, static_cast<int64_t>(0));
-  args.epilogue.dC = args.epilogue.dD;
+  set_output(args.epilogue, out, ld_out, total_rows, N, fn);
   args.hw_info = grouped::hardware_info();
   args.scheduler.row_end = tables.row_end;
   args.scheduler.band_blocks = band_blocks(total_rows, groups);

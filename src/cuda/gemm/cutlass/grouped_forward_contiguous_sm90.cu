@@ -1,14 +1,23 @@
 // The bf16 forward over m-grouped contiguous rows (grouped_bf16_contiguous_sm90.cuh): out [rows, N] =
-// a [rows, K] . w_g [K, N], both row-major.
+// a [rows, K] . w_g [K, N], both row-major; CUTLASS's epilogue here, the staged tile's in
+// grouped_forward_contiguous_staged_sm90.cu; and the choice between the two.
+#include "core/env_choice.h"
 #include "cuda/gemm/cutlass/grouped_bf16_contiguous_sm90.cuh"
 
 namespace epx::cuda {
 
+bool contiguous_staged_epilogue(const void* out, int64_t N, int64_t ld_out) {
+  const int choice = detail::env_choice("EPX_CONTIGUOUS_EPILOGUE", {"staged", "cutlass"});
+  return choice <= 0 && staged_tile::tma_output_supported(out, N, ld_out, ld_out);
+}
+
 void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                      int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
                                      int64_t total_rows, Stream stream) {
-  contiguous::run_bf16<cutlass::layout::RowMajor, 12>(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows,
-                                                      stream, "epx::grouped_gemm_forward");
+  if (contiguous_staged_epilogue(out, N, ld_out))
+    return grouped_forward_bf16_contiguous_staged(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
+  contiguous::run_bf16<cutlass::layout::RowMajor, contiguous::Bf16CutlassEpilogue, 12>(
+      a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream, "epx::grouped_gemm_forward");
 }
 
 }  // namespace epx::cuda

@@ -1,64 +1,17 @@
-// The FP8 block-scaled forward over m-grouped contiguous rows (contiguous_groups_sm90.cuh): the
-// kernel's types and the launch.
-#include "cuda/gemm/cutlass/contiguous_groups_sm90.cuh"
-#include "cuda/gemm/cutlass/fp8_overlapped_promotion_sm90.cuh"
-#include "cuda/gemm/cutlass/grouped_sm90.cuh"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
+// The FP8 block-scaled forward over m-grouped contiguous rows with CUTLASS's epilogue
+// (grouped_fp8_contiguous_sm90.cuh); the staged tile's is in grouped_fp8_contiguous_staged_sm90.cu.
+#include "cuda/gemm/cutlass/grouped_fp8_contiguous_sm90.cuh"
 
 namespace epx::cuda {
-namespace grouped_fp8 {
-namespace {
-
-using namespace cute;
-
-// The cooperative FP8 schedule's tile, epilogue and promotion (grouped_fp8_sm90.cuh's Cooperative),
-// on CUTLASS's non-pointer-array kernel.
-struct ContiguousKernel {
-  using ElementA = cutlass::float_e4m3_t;
-  using ElementB = cutlass::float_e4m3_t;
-  using ElementOut = cutlass::bfloat16_t;
-  using TileShape = cute::Shape<_128, _128, _128>;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, cute::Shape<_128, _64>, float, float,
-      void, cutlass::layout::RowMajor, 16 / sizeof(ElementOut), ElementOut, cutlass::layout::RowMajor,
-      16 / sizeof(ElementOut), cutlass::epilogue::TmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementOut, float, void>>::CollectiveOp;
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>,
-      16, ElementB, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, 16, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using Mainloop = contiguous::GroupsMainloop<OverlappedPromotionMainloop<BuiltMainloop>>;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                          contiguous::Tiles>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  static constexpr int kCacheId = 102;
-};
-
-}  // namespace
-}  // namespace grouped_fp8
 
 void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor, const void* bt, const float* b_scales,
                                     void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                     const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
-  using K_ = grouped_fp8::ContiguousKernel;
-  // A's scales M-major over whole 128-row blocks; B's per group [K/128, N/128].
-  auto scales = [&](typename K_::Gemm::Arguments& args, const contiguous::Tables& tables) {
-    const int Nn = static_cast<int>(N), Kk = static_cast<int>(K);
-    const int padded_rows = static_cast<int>(tables.row_blocks * contiguous::kTileRows);
-    args.mainloop.ptr_SFA = a_scales_mmajor;
-    args.mainloop.layout_SFA = K_::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(padded_rows, Nn, Kk, 1));
-    args.mainloop.ptr_SFB = b_scales;
-    args.mainloop.layout_SFB =
-        K_::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(static_cast<int>(total_rows), Nn, Kk, groups));
-  };
-  contiguous::launch<K_::Gemm>(K_::kCacheId, {a, K, 0}, {bt, K, N * K}, out, ld_out, K, N, offsets, rows, groups,
-                               total_rows, stream, "epx::grouped_gemm_forward_fp8", "both must be multiples of 128",
-                               scales);
+  if (contiguous_staged_epilogue(out, N, ld_out))
+    return grouped_forward_fp8_contiguous_staged(a, a_scales_mmajor, bt, b_scales, out, ld_out, K, N, offsets, rows,
+                                                 groups, total_rows, stream);
+  grouped_fp8::run_contiguous<grouped_fp8::ContiguousKernel<grouped_fp8::ContiguousCutlassEpilogue, 102>>(
+      a, a_scales_mmajor, bt, b_scales, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
 }
 
 }  // namespace epx::cuda

@@ -6,8 +6,7 @@
 namespace epx::cuda {
 
 bool wgrad_coop_tma_supports(const void* out, int64_t N, int64_t out_group_stride) {
-  // The tensor map's rules: a 16-byte aligned base and 16-byte multiples for the row and group strides.
-  return reinterpret_cast<uintptr_t>(out) % 16 == 0 && N % 8 == 0 && out_group_stride % 8 == 0;
+  return staged_tile::tma_output_supported(out, N, N, out_group_stride);
 }
 
 void grouped_wgrad_bf16_out_coop_tma(GroupedOperand a, GroupedOperand d, void* out, int64_t out_group_stride,
@@ -23,14 +22,8 @@ void grouped_wgrad_bf16_out_coop_tma(GroupedOperand a, GroupedOperand d, void* o
   const grouped::Arrays<Kn> arr =
       grouped::device_arrays<Kn>(c, s, grouped::Mode::kWgrad, a, d, static_cast<cutlass::bfloat16_t*>(out), N,
                                  out_group_stride, K, N, offsets, rows, groups);
-  wgrad_tma::TmaStoreArguments epi;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(groups)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(out_group_stride) * 2};
-  const cuuint32_t box[3] = {wgrad_tma::kBoxCols, wgrad_tma::kTileRows, 1}, element_strides[3] = {1, 1, 1};
-  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
-      &epi.tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  staged_tile::TmaStoreArguments epi;
+  const CUresult r = staged_tile::encode_output_map(epi, out, K, N, groups, N, out_group_stride);
   require_status(r == CUDA_SUCCESS, Status::kCudaError, fn, "cuTensorMapEncodeTiled failed (CUresult ",
                  static_cast<int>(r), ") for K = ", K, ", N = ", N, ", ", groups, " groups");
   typename Kn::Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
