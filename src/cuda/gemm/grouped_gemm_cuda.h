@@ -61,12 +61,13 @@ void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* o
 void grouped_dgrad_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                                    const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
                                    Stream stream);
-/// The contiguous kernels' epilogue: EPX_CONTIGUOUS_EPILOGUE=staged (default) | cutlass, read at every
-/// call. staged (staged_tile_epilogue_sm90.cuh) converts the whole tile into shared memory once and
-/// leaves it to TMA box stores that the next tile's MMAs hide; cutlass is CUTLASS's sub-tiled epilogue
-/// (the same bits). true where staged is asked for and out can be a tensor map's base (16-byte aligned,
-/// N and ld_out multiples of 8).
-bool contiguous_staged_epilogue(const void* out, int64_t N, int64_t ld_out);
+/// The contiguous kernels' epilogue: EPX_CONTIGUOUS_EPILOGUE=auto (default) | staged | cutlass, read at
+/// every call. staged (staged_tile_epilogue_sm90.cuh) converts the whole tile into shared memory once
+/// and leaves it to TMA box stores that the next tile's MMAs hide; cutlass is CUTLASS's sub-tiled
+/// epilogue (the same bits); auto takes staged except for a dgrad whose contraction is longer than
+/// 4096. true where staged is chosen and out can be a tensor map's base (16-byte aligned, N and
+/// ld_out multiples of 8).
+bool contiguous_staged_epilogue(const void* out, int64_t N, int64_t ld_out, bool dgrad, int64_t contraction);
 void grouped_forward_bf16_contiguous_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                             int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
                                             int64_t total_rows, Stream stream);
