@@ -19,7 +19,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -167,7 +166,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
   struct Entry {
     size_t schedule;  // index into schedules
     TileOrderSetting order;
-    const char* epilogue;  // EPX_GEMM_EPILOGUE for the contiguous schedule
+    const char* epilogue;  // EPX_CONTIGUOUS_EPILOGUE for the contiguous schedule
   };
   std::vector<Entry> entries;
   std::vector<std::function<void()>> fns = {
@@ -194,7 +193,7 @@ void run_fp8(const char* name, const LayoutD& L, const Tensor& x, const Tensor& 
         fns.push_back([&, schedule, order, epilogue] {
           const ScopedTileOrder scoped_order(order);
           const detail::ScopedEnv scoped_schedule("EPX_FP8_GEMM_KERNEL", schedule);
-          const detail::ScopedEnv scoped_epilogue("EPX_GEMM_EPILOGUE", epilogue);
+          const detail::ScopedEnv scoped_epilogue("EPX_CONTIGUOUS_EPILOGUE", epilogue);
           grouped_gemm_forward_fp8(x_q, x_s, w_q, w_s, L.offsets, L.rows, y, {}, L.row_align);
         });
       }
@@ -378,18 +377,14 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
         const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
         grouped_gemm_dgrad(dy, w, L.offsets, L.rows, dx, {}, L.row_align);
       });
-  // The cooperative kernel with the staged tile's epilogue (the pointer-array lines above have auto's),
-  // and where groups start on 128-row blocks the contiguous kernels with each (forward, then dgrad).
-  std::vector<std::pair<const char*, const char*>> epilogues = {{"cooperative", "staged"}};
-  if (L.row_align % 128 == 0) {
-    epilogues.emplace_back("contiguous", "staged");
-    epilogues.emplace_back("contiguous", "cutlass");
-  }
+  // Where groups start on 128-row blocks, the contiguous kernels with each epilogue (forward, then dgrad).
+  const std::vector<const char*> epilogues = L.row_align % 128 == 0 ? std::vector<const char*>{"staged", "cutlass"}
+                                                                    : std::vector<const char*>{};
   for (int d = 0; d < (backward ? 2 : 1); ++d)
-    for (const auto& [schedule, epilogue] : epilogues)
-      fns.push_back([&, d, schedule = schedule, epilogue = epilogue] {
-        const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", schedule);
-        const detail::ScopedEnv scoped_epilogue("EPX_GEMM_EPILOGUE", epilogue);
+    for (const char* epilogue : epilogues)
+      fns.push_back([&, d, epilogue] {
+        const detail::ScopedEnv scoped("EPX_GEMM_FORWARD_KERNEL", "contiguous");
+        const detail::ScopedEnv scoped_epilogue("EPX_CONTIGUOUS_EPILOGUE", epilogue);
         if (d == 0)
           grouped_gemm_forward(x, w, L.offsets, L.rows, y, {}, L.row_align);
         else
@@ -432,8 +427,7 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
     const bool dgrad = i >= epilogues.size();
     const double ti = t[first_epilogue + i], t_auto = dgrad ? t[2] : tf;
     JsonLine().add("impl", "epx").add("op", dgrad ? "grouped_gemm_dgrad" : "grouped_gemm_forward").add("case", name)
-        .add("schedule", epilogues[i % epilogues.size()].first).add("epilogue", epilogues[i % epilogues.size()].second)
-        .add("time_us", ti)
+        .add("schedule", "contiguous").add("epilogue", epilogues[i % epilogues.size()]).add("time_us", ti)
         .add("tflops", flops / ti * 1e-6).add("auto_speedup", ti / t_auto).print();
   }
   for (size_t i = 0; i < sm_limits.size(); ++i) {

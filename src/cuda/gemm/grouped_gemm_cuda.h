@@ -61,21 +61,13 @@ void grouped_forward_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* o
 void grouped_dgrad_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                                    const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
                                    Stream stream);
-/// The epilogue of the bf16 cooperative forward / dgrad (pointer-array and contiguous) and of the FP8
-/// contiguous forward: EPX_GEMM_EPILOGUE=auto (default) | staged | cutlass, read at every call. staged
-/// (staged_tile_epilogue_sm90.cuh) converts the whole tile into shared memory once and leaves it to TMA
-/// box stores that the next tile's MMAs hide (a pointer-array group's partial last tile row by row);
-/// cutlass is CUTLASS's sub-tiled epilogue (the same bits). auto: staged for the contiguous kernels but
-/// a dgrad whose contraction is longer than 4096, CUTLASS's for the pointer-array ones. true where
-/// staged is chosen and out can be a tensor map's base (16-byte aligned, N and ld_out multiples of 8).
-enum class GemmFamily { kPointerArray, kContiguous };
-bool staged_epilogue(GemmFamily family, const void* out, int64_t N, int64_t ld_out, bool dgrad, int64_t contraction);
-void grouped_forward_bf16_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                                 const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
-                                 Stream stream);
-void grouped_dgrad_bf16_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
-                               const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
-                               Stream stream);
+/// The contiguous kernels' epilogue: EPX_CONTIGUOUS_EPILOGUE=auto (default) | staged | cutlass, read at
+/// every call. staged (staged_tile_epilogue_sm90.cuh) converts the whole tile into shared memory once
+/// and leaves it to TMA box stores that the next tile's MMAs hide; cutlass is CUTLASS's sub-tiled
+/// epilogue (the same bits); auto takes staged except for a dgrad whose contraction is longer than
+/// 4096. true where staged is chosen and out can be a tensor map's base (16-byte aligned, N and
+/// ld_out multiples of 8).
+bool contiguous_staged_epilogue(const void* out, int64_t N, int64_t ld_out, bool dgrad, int64_t contraction);
 void grouped_forward_bf16_contiguous_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
                                             int64_t N, const int32_t* offsets, const int32_t* rows, int groups,
                                             int64_t total_rows, Stream stream);
@@ -165,7 +157,7 @@ void grouped_forward_fp8_blockwise_pingpong(const void* a, const float* a_scales
 void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor, const void* bt, const float* b_scales,
                                     void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                     const int32_t* rows, int groups, int64_t total_rows, Stream stream);
-/// The same with the staged tile's epilogue (staged_epilogue).
+/// The same with the staged tile's epilogue (contiguous_staged_epilogue).
 void grouped_forward_fp8_contiguous_staged(const void* a, const float* a_scales_mmajor, const void* bt,
                                            const float* b_scales, void* out, int64_t ld_out, int64_t K, int64_t N,
                                            const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,

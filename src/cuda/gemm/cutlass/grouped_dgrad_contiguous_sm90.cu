@@ -8,7 +8,7 @@ namespace epx::cuda {
 void grouped_dgrad_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                                    const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows,
                                    Stream stream) {
-  if (staged_epilogue(GemmFamily::kContiguous, out, N, ld_out, true, K))
+  if (contiguous_staged_epilogue(out, N, ld_out, true, K))
     return grouped_dgrad_bf16_contiguous_staged(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
   contiguous::run_bf16<cutlass::layout::ColumnMajor, contiguous::Bf16CutlassEpilogue, 13>(
       a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream, "epx::grouped_gemm_dgrad");

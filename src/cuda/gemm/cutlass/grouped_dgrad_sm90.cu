@@ -13,8 +13,6 @@ void grouped_dgrad_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t l
     return grouped_dgrad_bf16_contiguous(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
   if (schedule == ForwardGemmSchedule::kPingpong)
     return grouped_dgrad_bf16_pingpong(a, b, out, ld_out, K, N, offsets, rows, groups, stream);
-  if (staged_epilogue(GemmFamily::kPointerArray, out, N, ld_out, true, K))
-    return grouped_dgrad_bf16_staged(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
                              grouped::CooperativeOverwrite>;
   grouped::run<Kn, cutlass::bfloat16_t>(1, grouped::Mode::kDgrad, a, b, static_cast<cutlass::bfloat16_t*>(out), ld_out,

@@ -1,8 +1,7 @@
 // Forward: out [rows, N] bf16 = a [rows, K] . w_g [K, N] (both row-major), and the choice between the
-// forward's and dgrad's schedules and epilogues.
+// forward's and dgrad's schedules.
 #include "core/env_choice.h"
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
-#include "cuda/gemm/cutlass/staged_tile_epilogue_sm90.cuh"
 #include "epx/error.h"
 
 namespace epx::cuda {
@@ -28,16 +27,6 @@ ForwardGemmSchedule forward_gemm_schedule(int64_t contraction, int64_t row_capac
   return ForwardGemmSchedule::kContiguous;
 }
 
-bool staged_epilogue(GemmFamily family, const void* out, int64_t N, int64_t ld_out, bool dgrad, int64_t contraction) {
-  const int choice = detail::env_choice("EPX_GEMM_EPILOGUE", {"auto", "staged", "cutlass"});
-  if (choice == 2 || !staged_tile::tma_output_supported(out, N, ld_out, ld_out)) return false;
-  if (choice == 1) return true;
-  // auto. Contiguous: the dgrad over a contraction of 7168 ran 3-4% slower with the staged tile (its
-  // mainloop has a stage less), the one over 2048 2-3% faster; the forwards level to 5% faster
-  // (bench/NOTES.md). Pointer-array: CUTLASS's.
-  return family == GemmFamily::kContiguous && (!dgrad || contraction <= 4096);
-}
-
 void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K, int64_t N,
                           const int32_t* offsets, const int32_t* rows, int groups, int64_t total_rows, Stream stream,
                           int64_t row_align) {
@@ -46,8 +35,6 @@ void grouped_forward_bf16(GroupedOperand a, GroupedOperand b, void* out, int64_t
     return grouped_forward_bf16_contiguous(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
   if (schedule == ForwardGemmSchedule::kPingpong)
     return grouped_forward_bf16_pingpong(a, b, out, ld_out, K, N, offsets, rows, groups, stream);
-  if (staged_epilogue(GemmFamily::kPointerArray, out, N, ld_out, false, K))
-    return grouped_forward_bf16_staged(a, b, out, ld_out, K, N, offsets, rows, groups, total_rows, stream);
   using Kn = grouped::Kernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t,
                              grouped::CooperativeOverwrite>;
   grouped::run<Kn, cutlass::bfloat16_t>(0, grouped::Mode::kForward, a, b, static_cast<cutlass::bfloat16_t*>(out), ld_out,

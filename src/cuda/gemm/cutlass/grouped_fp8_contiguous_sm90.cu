@@ -7,7 +7,7 @@ namespace epx::cuda {
 void grouped_forward_fp8_contiguous(const void* a, const float* a_scales_mmajor, const void* bt, const float* b_scales,
                                     void* out, int64_t ld_out, int64_t K, int64_t N, const int32_t* offsets,
                                     const int32_t* rows, int groups, int64_t total_rows, Stream stream) {
-  if (staged_epilogue(GemmFamily::kContiguous, out, N, ld_out, false, K))
+  if (contiguous_staged_epilogue(out, N, ld_out, false, K))
     return grouped_forward_fp8_contiguous_staged(a, a_scales_mmajor, bt, b_scales, out, ld_out, K, N, offsets, rows,
                                                  groups, total_rows, stream);
   grouped_fp8::run_contiguous<grouped_fp8::ContiguousKernel<grouped_fp8::ContiguousCutlassEpilogue, 102>>(

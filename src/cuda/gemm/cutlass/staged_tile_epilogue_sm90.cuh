@@ -13,9 +13,8 @@
 // The output is bf16, addressed by one [L, M, N] tensor map whose bounds clip the tiles: so the rows of
 // one L index must be evenly strided and a tile must never cross into rows it does not own (wgrad's
 // per-group gradients; a contiguous kernel's 128-row-aligned groups, whose tiles end in their own
-// group's padding rows), or, for the pointer-array forward and dgrad on the expert-major layout
-// (kGroupRows), a group's partial last tile is stored row by row instead. Results are bit-identical to
-// CUTLASS's epilogue without a source operand (alpha = 1: round-to-nearest of the fp32 accumulator).
+// group's padding rows). Results are bit-identical to CUTLASS's epilogue without a source operand
+// (alpha = 1: round-to-nearest of the fp32 accumulator).
 #pragma once
 
 #include <cuda.h>
@@ -38,14 +37,6 @@ inline constexpr int kBoxCols = 64;  // a 128-byte-swizzled box is at most 128 b
 
 struct TmaStoreArguments {
   CUtensorMap tmap;  // [L, M, N] bf16, boxes of kTileRows x kBoxCols, 128-byte swizzle
-  // Groups of rows in one output (kGroupRows: a pointer-array forward or dgrad on the expert-major
-  // layout): group l's rows start at row group_offsets[l] of the map (L = 1) and number group_rows[l];
-  // a tile with fewer rows left is stored row by row to out (leading dimension ld), so that it never
-  // writes the next group's rows.
-  const int32_t* group_offsets = nullptr;
-  const int32_t* group_rows = nullptr;
-  __nv_bfloat16* out = nullptr;
-  int64_t ld = 0, cols = 0;  // cols: N
 };
 
 // Whether out can be the tensor map's base with these strides (elements): a 16-byte aligned base and
@@ -66,11 +57,9 @@ inline CUresult encode_output_map(TmaStoreArguments& args, void* out, int64_t M,
 }
 
 // kTileCols: the tile's N (128 or 256). kPtrArray: for CUTLASS's pointer-array kernels (L = the group)
-// or its plain ones (L = the batch index). kGroupRows: the groups' rows lie in one output at their
-// offsets (TmaStoreArguments).
-template <int kTileCols, bool kPtrArray, bool kGroupRows = false>
+// or its plain ones (L = the batch index).
+template <int kTileCols, bool kPtrArray>
 class Epilogue {
-  static_assert(!kGroupRows || kPtrArray, "groups of rows come with the pointer-array kernels");
   static_assert(kTileCols % kBoxCols == 0, "whole boxes");
 
  public:
@@ -162,46 +151,21 @@ class Epilogue {
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(kThreads, barrier_id);
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    const int m0 = static_cast<int>(m_coord) * kTileRows, n0 = static_cast<int>(n_coord) * kTileCols;
-    int row0 = m0, l = static_cast<int>(l_coord);
-    if constexpr (kGroupRows) {
-      const int g = static_cast<int>(l_coord);
-      const int left = p_.group_rows[g] - m0;
-      row0 = p_.group_offsets[g] + m0;
-      l = 0;
-      if (left < kTileRows) {
-        // A group's last, partial tile: its valid rows in 16-byte pieces by every thread (the map
-        // would also write the rows after it, which may be the next group's).
-        return store_rows(smem, row0, n0, left, thread_idx);
-      }
-    }
     if (thread_idx == 0) {
       // Rows past M and columns past N are clipped by the tensor map's bounds.
+      auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+      const int m0 = static_cast<int>(m_coord) * kTileRows, n0 = static_cast<int>(n_coord) * kTileCols;
       const uint64_t map = reinterpret_cast<uint64_t>(&p_.tmap);
       CUTLASS_PRAGMA_UNROLL
       for (int b = 0; b < kTileCols / kBoxCols; ++b)
         asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
-                     "r"(s_buf + b * kTileRows * 128), "r"(n0 + b * kBoxCols), "r"(row0), "r"(l)
+                     "r"(s_buf + b * kTileRows * 128), "r"(n0 + b * kBoxCols), "r"(m0), "r"(static_cast<int>(l_coord))
                      : "memory");
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
   }
 
  private:
-  // Rows [0, valid) of the staged tile to out from row row0, the columns of n0 + [0, kTileCols) below N,
-  // one 16-byte piece per thread at a time. The next tile's epilogue synchronises before it writes the
-  // buffer again.
-  CUTLASS_DEVICE void store_rows(char* smem, int row0, int n0, int valid, int thread_idx) {
-    constexpr int kPieces = kTileCols / 8;
-    for (int i = thread_idx; i < valid * kPieces; i += 256) {
-      const int r = i / kPieces, c = (i % kPieces) * 8;
-      if (n0 + c >= p_.cols) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + staged_byte(r, c));
-      *reinterpret_cast<uint4*>(p_.out + static_cast<int64_t>(row0 + r) * p_.ld + n0 + c) = v;
-    }
-  }
-
   Params const& p_;
 };
 
@@ -235,7 +199,7 @@ class TmaStoreAdapter : public cutlass::epilogue::collective::detail::Sm90TmaWar
   }
 };
 
-template <int kTileCols, bool kPtrArray, bool kGroupRows = false>
-using StagedTileEpilogue = TmaStoreAdapter<Epilogue<kTileCols, kPtrArray, kGroupRows>>;
+template <int kTileCols, bool kPtrArray>
+using StagedTileEpilogue = TmaStoreAdapter<Epilogue<kTileCols, kPtrArray>>;
 
 }  // namespace epx::cuda::staged_tile
