@@ -65,7 +65,7 @@ void grouped_dgrad_bf16_contiguous(GroupedOperand a, GroupedOperand b, void* out
 /// every call. staged (staged_tile_epilogue_sm90.cuh) converts the whole tile into shared memory once
 /// and leaves it to TMA box stores that the next tile's MMAs hide; cutlass is CUTLASS's sub-tiled
 /// epilogue (the same bits); auto takes staged except for a dgrad whose contraction is longer than
-/// 4096. true where staged is chosen and out can be a tensor map's base (16-byte aligned, N and
+/// 2048. true where staged is chosen and out can be a tensor map's base (16-byte aligned, N and
 /// ld_out multiples of 8).
 bool contiguous_staged_epilogue(const void* out, int64_t N, int64_t ld_out, bool dgrad, int64_t contraction);
 void grouped_forward_bf16_contiguous_staged(GroupedOperand a, GroupedOperand b, void* out, int64_t ld_out, int64_t K,
