@@ -414,6 +414,48 @@ TEST(EpHost, RoundTripGivesTokenTimesWeightSum) {
   EXPECT_EQ(checked.load(), R * T * H);
 }
 
+TEST(EpHost, UnweightedCombineBackwardIsTheDispatchOfDout) {
+  // combine_backward without row weights copies d_out[t] to each of the token's expert rows (zero
+  // padding), which is what dispatch does with x: the zero-copy transport runs it as a dispatch, so
+  // the reference must give the same bits both ways. Masked slots, dropping by capacity, align 16.
+  const int R = 3, E = 9, K = 3, H = 24, T = 12;
+  GroupConfig cfg;
+  cfg.num_experts = E;
+  cfg.hidden = H;
+  cfg.max_tokens_per_rank = T;
+  cfg.max_dtype = DType::kF32;
+  cfg.align = 16;
+  std::vector<Group> groups = Group::create_simulated(R, cfg);
+  std::atomic<int> rows_compared{0};
+  run_ranks(groups, [&](Group& g) {
+    std::mt19937 rng(g.rank() + 11);
+    Scenario sc;
+    sc.ranks = R;
+    sc.experts = E;
+    sc.topk = K;
+    std::vector<int64_t> ids = make_ids(sc, g.rank(), T, rng);
+    ids[0] = -1;  // a masked slot
+    Tensor idx = Tensor::empty({T, K}, DType::kI64);
+    std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+    Tensor w = random_vec(T * K, rng), d_out = random_rows(T, H, DType::kBF16, rng);
+    const int64_t cap = g.recv_capacity_rows();
+    for (float capacity : {0.0f, 0.7f}) {
+      PrepareOptions opt;
+      opt.capacity_factor = capacity;
+      Handle h = prepare(g, idx, w.ref().view({T, K}), opt);
+      Tensor via_dispatch = Tensor::full({cap, H}, DType::kBF16, 5.0), d_y = Tensor::full({cap, H}, DType::kBF16, 6.0);
+      dispatch_forward(g, h, d_out, TensorRef(), via_dispatch, TensorRef());
+      combine_backward(g, h, d_out, TensorRef(), TensorRef(), d_y, TensorRef());
+      const int64_t used = h.expert_offsets_host().back();
+      ASSERT_GT(used, 0);
+      EXPECT_EQ(std::memcmp(via_dispatch.data(), d_y.data(), static_cast<size_t>(used * H) * sizeof(uint16_t)), 0)
+          << "capacity " << capacity;
+      rows_compared += static_cast<int>(used);
+    }
+  });
+  EXPECT_GT(rows_compared.load(), 0);
+}
+
 // ---- bad input ---------------------------------------------------------------------------------
 
 GroupConfig small_config() {
