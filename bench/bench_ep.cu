@@ -204,7 +204,8 @@ void run(int T, int H, int E, int K, int sms, double link, Transport transport, 
     // from y = recv; and unweighted, as the layer calls it by default.
     Tensor d_y = Tensor::empty({cap, H}, DType::kBF16, dev), d_rw = Tensor::empty({cap}, DType::kF32, dev);
     const double t_cbwd = timed([&](int) { combine_backward(g, h, out, recv, rw, d_y, d_rw); });
-    const double t_cbwd_u = timed([&](int) { combine_backward(g, h, out, TensorRef(), TensorRef(), d_y, TensorRef()); });
+    const double t_cbwd_u =
+        timed([&](int) { combine_backward(g, h, out, TensorRef(), TensorRef(), d_y, TensorRef()); });
     g.check();
     // The same two ops replayed from a CUDA graph: what a caller that captures its step sees, without
     // the host's launch cost (which the eager timings above include: ~2 launches per op).
