@@ -103,6 +103,33 @@ Tensor random_rows(int64_t rows, int64_t cols, DType dt, std::mt19937& rng) {
   return t;
 }
 
+// make_ids' uniform routing: R ranks, E experts, K slots a token.
+std::vector<int64_t> uniform_ids(int R, int E, int K, int rank, int T, std::mt19937& rng) {
+  Scenario sc;
+  sc.ranks = R;
+  sc.experts = E;
+  sc.topk = K;
+  return make_ids(sc, rank, T, rng);
+}
+
+// ids as the [T, K] int64 tensor prepare takes.
+Tensor ids_tensor(const std::vector<int64_t>& ids, int T, int K) {
+  Tensor idx = Tensor::empty({T, K}, DType::kI64);
+  std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+  return idx;
+}
+
+// A group of fp32-wide rows, T tokens a rank, experts padded to 16 rows.
+GroupConfig padded_fp32_config(int E, int H, int T) {
+  GroupConfig cfg;
+  cfg.num_experts = E;
+  cfg.hidden = H;
+  cfg.max_tokens_per_rank = T;
+  cfg.max_dtype = DType::kF32;
+  cfg.align = 16;
+  return cfg;
+}
+
 Tensor random_vec(int64_t n, std::mt19937& rng) {
   Tensor t = Tensor::empty({n}, DType::kF32);
   std::uniform_real_distribution<float> u(0.1f, 1.0f);
@@ -377,23 +404,12 @@ TEST(EpHost, CapacityDropping) {
 TEST(EpHost, RoundTripGivesTokenTimesWeightSum) {
   // dispatch -> identity expert -> weighted combine == x * (sum of kept weights), up to fp32 rounding.
   const int R = 4, E = 8, K = 3, H = 16, T = 10;
-  GroupConfig cfg;
-  cfg.num_experts = E;
-  cfg.hidden = H;
-  cfg.max_tokens_per_rank = T;
-  cfg.max_dtype = DType::kF32;
-  cfg.align = 16;
-  std::vector<Group> groups = Group::create_simulated(R, cfg);
+  std::vector<Group> groups = Group::create_simulated(R, padded_fp32_config(E, H, T));
   std::atomic<int> checked{0};
   run_ranks(groups, [&](Group& g) {
     std::mt19937 rng(g.rank() + 5);
-    Scenario sc;
-    sc.ranks = R;
-    sc.experts = E;
-    sc.topk = K;
-    std::vector<int64_t> ids = make_ids(sc, g.rank(), T, rng);
-    Tensor idx = Tensor::empty({T, K}, DType::kI64);
-    std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+    const std::vector<int64_t> ids = uniform_ids(R, E, K, g.rank(), T, rng);
+    Tensor idx = ids_tensor(ids, T, K);
     Tensor w = random_vec(T * K, rng), x = random_rows(T, H, DType::kF32, rng);
     const int64_t cap = g.recv_capacity_rows();
     Tensor recv = Tensor::zeros({cap, H}, DType::kF32), rw = Tensor::zeros({cap}, DType::kF32);
@@ -419,24 +435,13 @@ TEST(EpHost, UnweightedCombineBackwardIsTheDispatchOfDout) {
   // padding), which is what dispatch does with x: the zero-copy transport runs it as a dispatch, so
   // the reference must give the same bits both ways. Masked slots, dropping by capacity, align 16.
   const int R = 3, E = 9, K = 3, H = 24, T = 12;
-  GroupConfig cfg;
-  cfg.num_experts = E;
-  cfg.hidden = H;
-  cfg.max_tokens_per_rank = T;
-  cfg.max_dtype = DType::kF32;
-  cfg.align = 16;
-  std::vector<Group> groups = Group::create_simulated(R, cfg);
+  std::vector<Group> groups = Group::create_simulated(R, padded_fp32_config(E, H, T));
   std::atomic<int> rows_compared{0};
   run_ranks(groups, [&](Group& g) {
     std::mt19937 rng(g.rank() + 11);
-    Scenario sc;
-    sc.ranks = R;
-    sc.experts = E;
-    sc.topk = K;
-    std::vector<int64_t> ids = make_ids(sc, g.rank(), T, rng);
+    std::vector<int64_t> ids = uniform_ids(R, E, K, g.rank(), T, rng);
     ids[0] = -1;  // a masked slot
-    Tensor idx = Tensor::empty({T, K}, DType::kI64);
-    std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+    Tensor idx = ids_tensor(ids, T, K);
     Tensor w = random_vec(T * K, rng), d_out = random_rows(T, H, DType::kBF16, rng);
     const int64_t cap = g.recv_capacity_rows();
     for (float capacity : {0.0f, 0.7f}) {
@@ -858,14 +863,9 @@ TEST(EpHost, QuantizedDispatchCarriesScales) {
     run_ranks(groups, [&](Group& g) {
       const int r = g.rank();
       std::mt19937 rng(40 + r);
-      Scenario sc_ids;
-      sc_ids.ranks = R;
-      sc_ids.experts = E;
-      sc_ids.topk = K;
-      std::vector<int64_t> ids = make_ids(sc_ids, r, T, rng);
+      const std::vector<int64_t> ids = uniform_ids(R, E, K, r, T, rng);
       ids_of[r].assign(ids.begin(), ids.end());
-      Tensor idx = Tensor::empty({T, K}, DType::kI64);
-      std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+      Tensor idx = ids_tensor(ids, T, K);
       Tensor x = random_rows(T, H, DType::kBF16, rng);
       q[r] = Tensor::empty({T, H}, DType::kF8E4M3);
       sc[r] = Tensor::empty(ss, sdt);
@@ -981,8 +981,7 @@ TEST(EpHost, QuantizeOnTheWayEqualsQuantizeThenDispatch) {
           sc_ids.topk = K;
           sc_ids.pattern = r == 0 ? Pattern::kSkewed : Pattern::kMaskedHeavy;
           std::vector<int64_t> ids = make_ids(sc_ids, r, T, rng);
-          Tensor idx = Tensor::empty({T, K}, DType::kI64);
-          std::copy(ids.begin(), ids.end(), idx.ptr<int64_t>());
+          Tensor idx = ids_tensor(ids, T, K);
           Tensor w = random_vec(T * K, rng);
           Tensor tw = Tensor::empty({T, K}, DType::kF32);
           std::copy(w.ptr<float>(), w.ptr<float>() + T * K, tw.ptr<float>());

@@ -36,18 +36,25 @@ def test_build_info_and_presets():
         epx.find_preset("no-such-model")
 
 
+def forward_backward(layer, T, H, x_freq, d_out_freq):
+    """One forward and backward of an fp32 layer on x = sin(x_freq i), d_out = cos(d_out_freq i):
+    the host buffers out, d_out and d_x, and the context."""
+    x, out, d_out, d_x = host(T * H), host(T * H), host(T * H), host(T * H)
+    for i in range(T * H):
+        x[i] = math.sin(x_freq * i)
+        d_out[i] = math.cos(d_out_freq * i)
+    ctx = _C.MoEContext()
+    layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), ctx)
+    layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
+    return out, d_out, d_x, ctx
+
+
 def test_layer_forward_backward_on_the_cpu_reference():
     p, cfg, group, layer = tiny_layer()
     assert (group.rank, group.size, group.local_experts) == (0, 1, p.experts)
     layer.init_params(3, 0.5)
     T, H = 8, p.hidden
-    x, out, d_out, d_x = host(T * H), host(T * H), host(T * H), host(T * H)
-    for i in range(T * H):
-        x[i] = math.sin(0.37 * i)
-        d_out[i] = math.cos(0.11 * i)
-    ctx = _C.MoEContext()
-    layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), ctx)
-    layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
+    out, d_out, d_x, ctx = forward_backward(layer, T, H, 0.37, 0.11)
     assert all(math.isfinite(out[i]) for i in range(T * H))
     assert any(out[i] != 0 for i in range(T * H)), "the layer's output is all zeros"
     assert any(d_x[i] != 0 for i in range(T * H)), "d_x is all zeros"
@@ -66,13 +73,7 @@ def test_weight_grads_route_reaches_the_layer():
         layer = _C.MoELayer(group, cfg)
         layer.init_params(7, 0.5)
         T, H = 8, p.hidden
-        x, out, d_out, d_x = host(T * H), host(T * H), host(T * H), host(T * H)
-        for i in range(T * H):
-            x[i] = math.sin(0.41 * i)
-            d_out[i] = math.cos(0.13 * i)
-        ctx = _C.MoEContext()
-        layer.forward(ref_of(x, "fp32", [T, H]), ref_of(out, "fp32", [T, H]), ctx)
-        layer.backward(ctx, ref_of(d_out, "fp32", [T, H]), ref_of(d_x, "fp32", [T, H]))
+        d_x = forward_backward(layer, T, H, 0.41, 0.13)[2]
         d_xs.append([d_x[i] for i in range(T * H)])
     scale = max(abs(v) for v in d_xs[1])
     assert scale > 0
