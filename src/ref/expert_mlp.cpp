@@ -251,7 +251,7 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
       for (int64_t r = g.begin; r < g.begin + g.rows; ++r) {
         load_x_row(c, t, r, H, false, x.data());
         load_row(t.a.data(), t.a.dtype(), r * PF, PF, a.data());
-        load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());
+        if (!late) load_row(t.h.data(), t.h.dtype(), r * F, F, h.data());  // late: recomputed from a
         load_row(d.d_y.data(), d.d_y.dtype(), r * H, H, dy.data());
         row_times_matrix(dy.data(), H, w_out_t.data(), F, dh.data());
         const Acc w_r =
@@ -264,12 +264,12 @@ void backward_impl(const MlpConfig& c, const MlpTensors& t, const MlpGrads& d) {
             d_w_r += dh[f] * q.act;
             d_act *= w_r;
           }
+          if (late) h[f] = q.act;  // d_w_out's row, rounded below
           da[f] = d_act * q.d0;
           if (gated) da[F + f] = d_act * q.d1;
         }
         if (weighted) store_from_double(d.d_row_weights.data(), d.d_row_weights.dtype(), r, static_cast<double>(d_w_r));
         if (late) {  // d_w_out's rows: round(w_r * round(act)) from the saved a (the GPU's h is d_h's by now)
-          for (int64_t f = 0; f < F; ++f) h[f] = act_value(c.activation, a[f], gated ? a[F + f] : Acc(0));
           store_row(hw_rounded.data(), hw_rounded.dtype(), 0, F, h.data());
           load_row(hw_rounded.data(), hw_rounded.dtype(), 0, F, h.data());
           for (int64_t f = 0; f < F; ++f) h[f] *= w_r;
