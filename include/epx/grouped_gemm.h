@@ -127,11 +127,12 @@ struct MlpConfig {
   bool accumulate_in_weight_dtype = false;
   /// Backward only, with apply_weights_early off: the combine weights each expert output row
   /// (out[t] += w_row * y[row]) and its backward handed over d_y UNWEIGHTED (combine_backward
-  /// without row weights). Backward then reads row_weights and writes d_row_weights = <d_out[t], y[row]>
-  /// computed through FC2 as <d_y . w_out^T, act(a)> (F wide instead of H wide, and y need not be
-  /// kept), and applies the weight itself: d_h = w_row * (d_y . w_out^T), and d_w_out from the rows
-  /// round(w_row * round(act(a))) (the activation recomputed from the saved a) with d_y. Mathematically the same gradients as weighting d_y in
-  /// combine_backward; not for layers with biases (b_out would add <d_out[t], b_out> to the dot).
+  /// without row weights). Backward then reads row_weights and writes d_row_weights =
+  /// <d_out[t], y[row]> computed through FC2 as <d_y . w_out^T, act(a)> (F wide instead of H wide,
+  /// and y need not be kept), and applies the weight itself: d_h = w_row * (d_y . w_out^T), and
+  /// d_w_out from the rows round(w_row * round(act(a))) (the activation recomputed from the saved a)
+  /// with d_y. Mathematically the same gradients as weighting d_y in combine_backward; not for layers
+  /// with biases (b_out would add <d_out[t], b_out> to the dot).
   bool combine_weight_grads = false;
 };
 

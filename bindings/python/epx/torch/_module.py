@@ -58,9 +58,10 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
     hidden, ffn_hidden, shared_ffn_hidden, num_experts, topk, num_groups, group_topk, score
     ("softmax", "softmax_after_topk", "sigmoid"), normalize_weights, routed_scaling_factor,
     use_expert_bias, aux_loss_coeff, z_loss_coeff, capacity_factor, apply_weights_early,
-    weight_grads_in_ffn (the routing weights' gradient through FC2; default True), expert_bias_terms, activation ("swiglu", "geglu", "gelu", "relu2"), precision ("high",
-    "fp8_block", "mxfp8"), fp8_weight_cache (with fp8_block on a GPU: keep the FP8 expert weights
-    between forwards; call MoE.refresh_fp8_weights() after every optimizer step), expert_grads_in_dtype,
+    weight_grads_in_ffn (the routing weights' gradient through FC2; default True), expert_bias_terms,
+    activation ("swiglu", "geglu", "gelu", "relu2"), precision ("high", "fp8_block", "mxfp8"),
+    fp8_weight_cache (with fp8_block on a GPU: keep the FP8 expert weights between forwards; call
+    MoE.refresh_fp8_weights() after every optimizer step), expert_grads_in_dtype,
     backward_keeps_saved (allow a second backward of one forward, e.g. retain_graph=True, at the
     cost of scratch buffers), pipeline_chunks (token chunks pipelined through dispatch, expert FFNs
     and combine),
@@ -84,8 +85,7 @@ def layer_config(preset=None, *, dtype=torch.bfloat16, **overrides):
         elif key == "precision":
             c.precision = getattr(_C.MlpPrecision, value)
         elif key in ("hidden", "ffn_hidden", "shared_ffn_hidden", "apply_weights_early", "weight_grads_in_ffn",
-                     "expert_bias_terms",
-                     "expert_grads_in_dtype", "backward_keeps_saved", "fp8_weight_cache", "pipeline_chunks",
+                     "expert_bias_terms", "expert_grads_in_dtype", "backward_keeps_saved", "fp8_weight_cache", "pipeline_chunks",
                      "overlap_communication"):
             setattr(c, key, value)
         else:

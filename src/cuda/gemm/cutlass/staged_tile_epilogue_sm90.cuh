@@ -63,8 +63,8 @@ class Epilogue {
   static_assert(kTileCols % kBoxCols == 0, "whole boxes");
 
  public:
-  using EpilogueSchedule =
-      std::conditional_t<kPtrArray, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized, cutlass::epilogue::NoSmemWarpSpecialized>;
+  using EpilogueSchedule = std::conditional_t<kPtrArray, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
+                                              cutlass::epilogue::NoSmemWarpSpecialized>;
   using DispatchPolicy = EpilogueSchedule;
   using ElementAccumulator = float;
   using ElementC = void;
