@@ -4,7 +4,8 @@
 // Built with -DEPX_GEMM_TRIALS=ON it also times the candidate kernels (src/cuda/gemm/cutlass/trials)
 // beside the shipped ones and counts the output elements where they differ.
 // usage: bench_grouped_gemm [--fp8 | --forward] [--cases NAME,NAME...]
-//        bench_grouped_gemm --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128 SCHEDULE:OUT|trials
+//        bench_grouped_gemm --wgrad fc1|fc2|32x1024|fc1_r128|fc2_r128|fc1_routed|fc2_routed|fc1_routed_r1
+//                           SCHEDULE:OUT|SCHEDULE:OUT,SCHEDULE:OUT...|trials
 // --cases runs only the cases of those names (a name no case has is an error that lists them).
 #include <cuda_runtime_api.h>
 
@@ -451,8 +452,9 @@ void run(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N, 
 }
 
 // Every wgrad kernel on one shape: both schedules, fp32 and bf16 gradients (the layer's choice).
-// only: "schedule:out" (e.g. "pingpong:bf16") runs that variant alone (for a profiler), "trials" them
-// all and the candidate kernels; empty runs the shipped ones.
+// only: "schedule:out" (e.g. "pingpong:bf16") runs that variant alone (for a profiler), a comma list of
+// them those in one interleaved contest, "trials" them all and the candidate kernels under every tile
+// order; empty runs the shipped ones.
 void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t K, int64_t N,
                         const std::string& only = {}) {
   if (!case_selected(name)) return;
@@ -481,6 +483,12 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
        [&] { cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
       {"coop_tma", "bf16",
        [&] { cuda::grouped_wgrad_bf16_out_coop_tma(a, d, dw16.data(), K * N, K, N, off, rows, G, {}); }},
+      // the same kernel with every MMA of a group's last K block (EPX_WGRAD_K_TAIL=full)
+      {"coop_tma_full_k", "bf16",
+       [&] {
+         const detail::ScopedEnv full("EPX_WGRAD_K_TAIL", "full");
+         cuda::grouped_wgrad_bf16_out_coop_tma(a, d, dw16.data(), K * N, K, N, off, rows, G, {});
+       }},
       {"pingpong_nosource", "fp32",
        [&] { cuda::grouped_wgrad_f32_pingpong_nosource(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {}); }},
   };
@@ -517,12 +525,16 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
     want[f][1] = fetch(f, true);
   }
   // Which variants run, and each one's probe mismatches.
+  // only = "a:bf16,b:bf16": those variants in one interleaved contest (default tile order)
+  const bool listed = only.find(',') != std::string::npos;
+  auto in_list = [&](const std::string& id) { return ("," + only + ",").find("," + id + ",") != std::string::npos; };
   std::vector<size_t> picked;
   std::vector<long long> mismatches;
   for (size_t vi = 0; vi < all.size(); ++vi) {
     const Variant& v = all[vi];
+    const std::string id = std::string(v.schedule) + ":" + v.out;
     if (only.empty() && vi >= variants.size()) continue;  // candidates only when asked for
-    if (!only.empty() && only != "trials" && only != std::string(v.schedule) + ":" + v.out) continue;
+    if (listed ? !in_list(id) : !only.empty() && only != "trials" && only != id) continue;
     const bool fp32 = std::string(v.out) == "fp32";
     const size_t es = fp32 ? 4 : 2;
     unsigned char* out = static_cast<unsigned char*>(fp32 ? dw32.data() : dw16.data());
@@ -539,9 +551,9 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
     mismatches.push_back(m);
   }
   // Trials: every variant under every tile order in one interleaved contest; otherwise each alone.
-  const bool contest = only == "trials";
+  const bool contest = only == "trials" || listed;
   const std::vector<TileOrderSetting> orders =
-      contest ? kTileOrders : std::vector<TileOrderSetting>{{nullptr, nullptr}};
+      only == "trials" ? kTileOrders : std::vector<TileOrderSetting>{{nullptr, nullptr}};
   std::vector<std::function<void()>> fns;
   for (const TileOrderSetting& order : orders)
     for (size_t p : picked)
@@ -595,8 +607,9 @@ int main(int argc, char** argv) {
     bench::BenchDevice dev;
     if (!bench::open_bench_device("grouped_gemm", dev)) return 0;
     bench::device_line("grouped_gemm", dev).print();
-    // --wgrad CASE SCHEDULE:OUT: one wgrad kernel on one shape, nothing else (profiling); --wgrad CASE
-    // trials: every shipped wgrad kernel and the candidates (-DEPX_GEMM_TRIALS=ON).
+    // --wgrad CASE SCHEDULE:OUT: one wgrad kernel on one shape, nothing else (profiling); a comma list:
+    // those kernels in one interleaved contest; --wgrad CASE trials: every shipped wgrad kernel and the
+    // candidates (-DEPX_GEMM_TRIALS=ON).
     if (wgrad_only) {
       struct WgradCase {
         const char* arg;
@@ -606,18 +619,26 @@ int main(int argc, char** argv) {
       };
       // fc1 / fc2: the DeepSeek-V3 layer on 2 GPUs (128 local experts, ~256 rows each); the _r128
       // ones: on one GPU (all 256 experts, ~128 rows each).
+      // fc1_routed / fc2_routed: the 2-GPU layer's experts as routing fills them (routed_sizes); _r1: one GPU.
       const WgradCase cases[] = {{"fc1", "dsv3_fc1_128x256_k7168_n4096", 128, 256, 7168, 4096},
                                  {"fc2", "dsv3_fc2_128x256_k2048_n7168", 128, 256, 2048, 7168},
                                  {"32x1024", "32x1024_k7168_n2048", 32, 1024, 7168, 2048},
                                  {"fc1_r128", "dsv3_fc1_256x128_k7168_n4096", 256, 128, 7168, 4096},
-                                 {"fc2_r128", "dsv3_fc2_256x128_k2048_n7168", 256, 128, 2048, 7168}};
+                                 {"fc2_r128", "dsv3_fc2_256x128_k2048_n7168", 256, 128, 2048, 7168},
+                                 {"fc1_routed", "dsv3_fc1_routed_2ranks_k7168_n4096", 0, 2, 7168, 4096},
+                                 {"fc2_routed", "dsv3_fc2_routed_2ranks_k2048_n7168", 0, 2, 2048, 7168},
+                                 {"fc1_routed_r1", "dsv3_fc1_routed_1rank_k7168_n4096", 0, 1, 7168, 4096}};
       const std::string c = argv[2];
       const WgradCase* found = nullptr;
       for (const WgradCase& w : cases)
         if (c == w.arg) found = &w;
       if (found == nullptr)
-        throw std::runtime_error("bench_grouped_gemm: --wgrad takes fc1, fc2, 32x1024, fc1_r128 or fc2_r128, not " + c);
-      run_wgrad_variants(found->name, std::vector<int>(found->groups, found->rows), found->K, found->N, argv[3]);
+        throw std::runtime_error("bench_grouped_gemm: --wgrad takes fc1, fc2, 32x1024, fc1_r128, fc2_r128, fc1_routed, "
+                                 "fc2_routed or fc1_routed_r1, not " + c);
+      // groups = 0: routed sizes over `rows` ranks
+      const std::vector<int> sizes = found->groups > 0 ? std::vector<int>(found->groups, found->rows)
+                                                       : routed_sizes(found->rows, 4096, 256, 8, 19 - found->rows);
+      run_wgrad_variants(found->name, sizes, found->K, found->N, argv[3]);
       return 0;
     }
     const double hbm = dev.hbm;
@@ -646,6 +667,8 @@ int main(int argc, char** argv) {
     run_wgrad_variants("dsv3_fc1_128x256_k7168_n4096", std::vector<int>(128, 256), 7168, 4096);
     run_wgrad_variants("dsv3_fc2_128x256_k2048_n7168", std::vector<int>(128, 256), 2048, 7168);
     run_wgrad_variants("32x1024_k7168_n2048", std::vector<int>(32, 1024), 7168, 2048);
+    run_wgrad_variants("dsv3_fc1_routed_2ranks_k7168_n4096", routed2, 7168, 4096);
+    run_wgrad_variants("dsv3_fc2_routed_2ranks_k2048_n7168", routed2, 2048, 7168);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_grouped_gemm: %s\n", e.what());
     return 1;

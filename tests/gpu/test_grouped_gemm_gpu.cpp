@@ -300,6 +300,58 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EXPECT_TRUE(testing::bit_equal(pub16, c16)) << "grouped_gemm_wgrad, bf16 out";
 }
 
+// The cooperative wgrad with TMA-stored tiles issues only the MMAs of a group's last 64-row K block that
+// reach its rows (EPX_WGRAD_K_TAIL=trim, the default). Every residue of the rows modulo 64 and 16 around
+// the block and MMA boundaries, groups of one K block and of several, an empty group, and a group whose
+// rows of x are all zero (its products are +-0, where a dropped +0 could leave a -0): the trimmed
+// gradient equals every-MMA's and the cooperative kernel's element for element (+0 == -0), and the
+// reference within the bf16 tolerance. Enough groups that a CTA's ring of per-tile counts wraps.
+TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
+  EPX_REQUIRE_GROUPED();
+  const int64_t K = 136, N = 264;
+  std::vector<int> sizes = {1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 0, 79, 80, 81, 127, 128, 129, 200, 256};
+  for (int i = 0; i < 40; ++i) sizes.push_back(1 + (i * 37) % 300);
+  const Layout L = make_layout(sizes, 1);
+  const int G = static_cast<int>(L.rows.size(0));
+  Tensor x = randn({L.total, K}, DType::kBF16, 31), dy = randn({L.total, N}, DType::kBF16, 32);
+  const int zero_group = 3;  // 17 rows of zeros times nonzero gradients
+  for (int64_t r = L.offsets.ptr<int32_t>()[zero_group]; r < L.offsets.ptr<int32_t>()[zero_group + 1]; ++r)
+    for (int64_t k = 0; k < K; ++k) store_from_double(x.data(), DType::kBF16, r * K + k, 0.0);
+  Tensor dw_ref = Tensor::zeros({G, K, N}, DType::kF32);
+  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
+  Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
+  const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
+  auto coop_tma = [&](const char* k_tail) {
+    const detail::ScopedEnv scoped("EPX_WGRAD_K_TAIL", k_tail);
+    Tensor out = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
+    cuda::grouped_wgrad_bf16_out_coop_tma(a, d, out.data(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G,
+                                          {});
+    return to_host(out);
+  };
+  const Tensor trimmed = coop_tma(nullptr), full = coop_tma("full");
+  Tensor c16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
+  cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {});
+  const Tensor coop = to_host(c16);
+  int64_t differ_full = 0, differ_coop = 0, nonzero_in_zero_group = 0;
+  for (int64_t i = 0; i < trimmed.numel(); ++i) {
+    const int64_t g = i / (K * N);
+    if (L.rows.ptr<int32_t>()[g] == 0) {  // skipped like every no-source kernel (the layer zeroes it first)
+      differ_full += trimmed.item(i) != 7.0 || full.item(i) != 7.0;
+      continue;
+    }
+    differ_full += trimmed.item(i) != full.item(i);
+    differ_coop += trimmed.item(i) != coop.item(i);
+    if (g == zero_group) nonzero_in_zero_group += trimmed.item(i) != 0.0;
+  }
+  EXPECT_EQ(differ_full, 0) << "trimmed last K block vs every MMA";
+  EXPECT_EQ(differ_coop, 0) << "trimmed last K block vs the cooperative kernel";
+  EXPECT_EQ(nonzero_in_zero_group, 0) << "zero rows of x give a zero gradient";
+  Tensor want = Tensor::empty({G, K, N}, DType::kF32);
+  for (int64_t i = 0; i < want.numel(); ++i)
+    want.ptr<float>()[i] = L.rows.ptr<int32_t>()[i / (K * N)] == 0 ? 7.0f : dw_ref.ptr<float>()[i];
+  EXPECT_LT(rel_err(trimmed, want), 1e-2);
+}
+
 // Accumulating wgrad (the epilogue's beta = 1): the public op with accumulate adds this gradient to
 // what dw holds, bit for bit old + the overwriting result (one fp32 add of the same two values),
 // on both schedules; an empty expert keeps its old gradient.

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "cuda/gemm/cutlass/grouped_sm90.cuh"
+#include "cuda/gemm/cutlass/k_tail_mainloop_sm90.cuh"
 #include "cuda/gemm/cutlass/staged_tile_epilogue_sm90.cuh"
 
 namespace epx::cuda::wgrad_tma {
@@ -21,7 +22,8 @@ using namespace cute;
 using CoopTmaStoreEpilogue = staged_tile::Epilogue<256, true>;
 
 // bf16 activations [rows, K] (A, read as column-major [K, rows]) and gradients of the next layer
-// [rows, N] (B, row-major); cooperative 128x256x64 tiles, no cluster.
+// [rows, N] (B, row-major); cooperative 128x256x64 tiles, no cluster; a group's last K block issues only
+// the MMAs that reach its rows (k_tail_mainloop_sm90.cuh).
 struct CoopTmaStoreWgradKernel {
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
@@ -29,11 +31,12 @@ struct CoopTmaStoreWgradKernel {
   using TileShape = cute::Shape<_128, _256, _64>;
   using ClusterShape = cute::Shape<_1, _1, _1>;
   using Epilogue = staged_tile::TmaStoreAdapter<CoopTmaStoreEpilogue>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cutlass::layout::ColumnMajor*, 8, ElementB,
       cutlass::layout::RowMajor*, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(CoopTmaStoreEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Mainloop = grouped::KTailMainloop<BuiltMainloop>;
   using Types = grouped::KernelTypes<grouped::GroupShape, Mainloop, Epilogue>;
   using GemmKernel = typename Types::GemmKernel;
   using Gemm = typename Types::Gemm;
