@@ -209,8 +209,11 @@ ffi::Error mlp_fwd(Where w, int64_t activation, int64_t precision, ffi::AnyBuffe
   });
 }
 
-ffi::Error mlp_bwd(Where w, int64_t activation, ffi::AnyBuffer d_y, ffi::AnyBuffer x, ffi::AnyBuffer offsets,
-                   ffi::AnyBuffer rows, ffi::AnyBuffer row_weights, ffi::AnyBuffer w_in, ffi::AnyBuffer b_in,
+// weight_grads: the row weights were applied in combine (after FC2), which handed d_out over unweighted
+// (MlpConfig::combine_weight_grads); else row_weights are the early weights or empty.
+ffi::Error mlp_bwd(Where w, int64_t activation, int64_t weight_grads, ffi::AnyBuffer d_y, ffi::AnyBuffer x,
+                   ffi::AnyBuffer offsets, ffi::AnyBuffer rows, ffi::AnyBuffer row_weights, ffi::AnyBuffer w_in,
+                   ffi::AnyBuffer b_in,
                    ffi::AnyBuffer w_out, ffi::AnyBuffer b_out, ffi::AnyBuffer a, ffi::AnyBuffer h,
                    ffi::Result<ffi::AnyBuffer> d_x, ffi::Result<ffi::AnyBuffer> d_rw, ffi::Result<ffi::AnyBuffer> d_w_in,
                    ffi::Result<ffi::AnyBuffer> d_b_in, ffi::Result<ffi::AnyBuffer> d_w_out,
@@ -220,7 +223,12 @@ ffi::Error mlp_bwd(Where w, int64_t activation, ffi::AnyBuffer d_y, ffi::AnyBuff
     // Rows past offsets[G] belong to no expert: their gradient is zero and the kernels skip them.
     detail::fill_zero(dx, Stream{w.stream});
     if (drw.defined()) detail::fill_zero(drw, Stream{w.stream});
-    expert_mlp_backward(mlp_config(activation, rw),
+    MlpConfig c = mlp_config(activation, rw);
+    if (weight_grads != 0) {
+      c.apply_weights_early = false;
+      c.combine_weight_grads = true;
+    }
+    expert_mlp_backward(c,
                         MlpTensors{view(w, x), view(w, offsets), view(w, rows), rw, view(w, w_in), view(w, b_in),
                                    view(w, w_out), view(w, b_out), view(w, a), view(w, h), {}, {}},
                         // d_h and d_a in an XLA buffer of this call's own (stream-ordered, no shared scratch)
@@ -279,7 +287,8 @@ auto bind_mlp_fwd(B&& b) {
 }
 template <class B>
 auto bind_mlp_bwd(B&& b) {
-  auto a = std::move(b).template Attr<int64_t>("activation").template Arg<Buf>().template Arg<Buf>()
+  auto a = std::move(b).template Attr<int64_t>("activation").template Attr<int64_t>("weight_grads")
+               .template Arg<Buf>().template Arg<Buf>()
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>();
   return std::move(a).template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>()

@@ -101,6 +101,63 @@ def test_ops_chain_matches_dense_formula_and_check_grads_fp64():
     check_grads(lambda *a: chain(g, *a, r)[0], (x, logits, w_in, w_out), order=1, modes=["rev"])
 
 
+def block_chain(group, x, logits, w_in, w_out, router, slot=0):
+    idx, w = router(logits)
+    r = epj.prepare(group, slot, idx, w)
+    recv_x, recv_w = epj.dispatch(r, x, w)
+    return epj.expert_block(r, recv_x, recv_w, w_in, w_out), idx, w
+
+
+def test_expert_block_is_grouped_mlp_then_combine_with_the_weights_gradient_in_the_ffn_fp64():
+    """expert_block's forward is combine(grouped_mlp(...)); its backward takes the routing weights'
+    gradient through FC2: the same gradients as the two ops composed (fp64: to rounding), and
+    check_grads against finite differences through router, dispatch and the block."""
+    E, H, F, K, T = 4, 8, 4, 2, 6
+    g = cpu_group(E, H, T, K)
+    k = jax.random.split(jax.random.key(11), 5)
+    x, logits = jax.random.normal(k[0], (T, H), jnp.float64), jax.random.normal(k[1], (T, E), jnp.float64)
+    w_in = 0.5 * jax.random.normal(k[2], (E, H, 2, F), jnp.float64)
+    w_out = 0.5 * jax.random.normal(k[3], (E, F, H), jnp.float64)
+    cot = jax.random.normal(k[4], (T, H), jnp.float64)
+    x, logits, w_in, w_out, cot = on_cpu(x, logits, w_in, w_out, cot)
+    r = epj.Router(E, K)
+    out, idx, w = jax.jit(lambda *a: block_chain(g, *a, r))(x, logits, w_in, w_out)
+    np.testing.assert_allclose(np.asarray(out), dense_moe(x, idx, w, w_in, w_out), rtol=1e-10, atol=1e-10)
+
+    def grads(route):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(route(g, *a, r)[0] * cot), argnums=(0, 1, 2, 3)))(
+            x, logits, w_in, w_out)
+
+    fused, composed = grads(block_chain), grads(chain)
+    for name, a, b in zip(("x", "logits", "w_in", "w_out"), fused, composed):
+        assert np.any(np.asarray(b) != 0), name
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12, err_msg=name)
+    check_grads(lambda *a: block_chain(g, *a, r)[0], (x, logits, w_in, w_out), order=1, modes=["rev"])
+    with pytest.raises(ValueError, match="row_weights is None"):
+        rr = epj.prepare(g, 1, idx, w)
+        epj.expert_block(rr, epj.dispatch(rr, x, w)[0], None, w_in, w_out)
+
+
+def test_moe_layer_weight_grads_in_ffn_or_in_combine_give_the_same_gradients_fp64():
+    """The layer's default (the routing weights' gradient through FC2) against combine's backward."""
+    g = None
+    grads = {}
+    for in_ffn in (True, False):
+        spec = epj.LayerSpec.from_preset("tiny", aux_loss_coeff=0.3, z_loss_coeff=0.2, weight_grads_in_ffn=in_ffn)
+        g = g or cpu_group(spec.num_experts, spec.hidden, 16, spec.topk)
+        params = jax.device_put(epj.init_params(jax.random.key(3), spec, g.local_experts, jnp.float64, std=0.5), CPU)
+        x = jax.device_put(jax.random.normal(jax.random.key(4), (16, spec.hidden), jnp.float64), CPU)
+
+        def loss(params, x):
+            out, l = epj.moe_layer(params, x, group=g, spec=spec, slot=9)
+            return jnp.sum(out ** 2) + l["aux"] + l["z"]
+
+        grads[in_ffn] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    flat_ffn, flat_combine = (jax.tree_util.tree_leaves_with_path(grads[v]) for v in (True, False))
+    for (path, a), (_, b) in zip(flat_ffn, flat_combine):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12, err_msg=str(path))
+
+
 def test_grouped_mlp_early_weights_and_biases_check_grads_fp64():
     G, H, F, rows = 3, 6, 4, 10
     layout = jnp.array([0, 4, 4, 8], jnp.int32)  # expert 1 empty; padding rows 3 and 7

@@ -15,12 +15,12 @@ made queued training steps several times slower in our measurements.
 """
 from ._group import Group
 from ._layer import LayerSpec, MoEBlock, init_params, moe_layer, router_losses, slot_of, update_expert_bias
-from ._ops import Routing, combine, dispatch, grouped_mlp, prepare, register_router, route
+from ._ops import Routing, combine, dispatch, expert_block, grouped_mlp, prepare, register_router, route
 from ._shard_map import shard_map
 
 __all__ = ["Group", "LayerSpec", "MoEBlock", "init_params", "moe_layer", "router_losses", "slot_of",
-           "update_expert_bias", "Routing", "combine", "dispatch", "grouped_mlp", "prepare", "register_router",
-           "route", "Router", "shard_map"]
+           "update_expert_bias", "Routing", "combine", "dispatch", "expert_block", "grouped_mlp", "prepare",
+           "register_router", "route", "Router", "shard_map"]
 
 
 class Router:

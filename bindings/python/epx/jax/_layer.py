@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _C, _config
-from ._ops import combine, dispatch, group_sum, grouped_mlp, prepare, register_router, route
+from ._ops import combine, dispatch, expert_block, group_sum, grouped_mlp, prepare, register_router, route
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class LayerSpec:
     aux_loss_coeff: float
     z_loss_coeff: float
     precision: str = "high"  # the expert GEMMs' forward: "high", "fp8_block" or "mxfp8" (see grouped_mlp)
+    # the routing weights' gradient through FC2 (expert_block) rather than in combine's backward
+    weight_grads_in_ffn: bool = True
 
     @staticmethod
     def from_preset(preset="deepseek-v3", **overrides):
@@ -41,6 +43,7 @@ class LayerSpec:
         ffn = int(overrides.pop("ffn_hidden", c.ffn_hidden))
         shared = int(overrides.pop("shared_ffn_hidden", c.shared_ffn_hidden))
         precision = str(overrides.pop("precision", "high"))
+        weight_grads_in_ffn = bool(overrides.pop("weight_grads_in_ffn", True))
         if precision not in ("high", "fp8_block", "mxfp8"):
             raise ValueError(f"epx.jax.LayerSpec: precision is '{precision}', expected 'high', 'fp8_block' or 'mxfp8'")
         if overrides:
@@ -50,7 +53,8 @@ class LayerSpec:
         r.aux_loss_coeff = 0.0
         r.z_loss_coeff = 0.0
         score = next(name for name, f in _config.SCORES.items() if f == r.score_function)
-        return LayerSpec(hidden, ffn, shared, r.num_experts, r.topk, register_router(r), score, aux, z, precision)
+        return LayerSpec(hidden, ffn, shared, r.num_experts, r.topk, register_router(r), score, aux, z, precision,
+                         weight_grads_in_ffn)
 
     @property
     def use_expert_bias(self):
@@ -114,8 +118,11 @@ def moe_layer(params, x, *, group, spec, slot):
     idx, w = route(spec.router_id, spec.topk, logits, bias)
     r = prepare(group, slot, idx, w)
     recv_x, recv_w = dispatch(r, x, w)
-    y = grouped_mlp(recv_x, r.layout, r.rows, params["w_in"], params["w_out"], precision=spec.precision)
-    out = combine(r, y, recv_w)
+    if spec.weight_grads_in_ffn:
+        out = expert_block(r, recv_x, recv_w, params["w_in"], params["w_out"], precision=spec.precision)
+    else:
+        y = grouped_mlp(recv_x, r.layout, r.rows, params["w_in"], params["w_out"], precision=spec.precision)
+        out = combine(r, y, recv_w)
     if "shared_w_in" in params:
         # The shared experts: one dense FFN over every token, as a one-group grouped FFN (the same
         # kernels, fp32 accumulation, and a backward in the layer dtype).

@@ -272,7 +272,7 @@ def _mlp_bwd(act, prec, res, d_y):  # the backward is the same whatever the forw
     workspace = jax.ShapeDtypeStruct((x.shape[0], (a.shape[1] + 1) * a.shape[2]), a.dtype)
     out = (like(x), like(rw), like(w_in), like(b_in), like(w_out), like(b_out), workspace)
     d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out, _ = jax.ffi.ffi_call("epx_mlp_bwd", out)(
-        d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h, activation=_i64(act))
+        d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h, activation=_i64(act), weight_grads=_i64(0))
     int0 = lambda t: np.zeros(t.shape, jax.dtypes.float0)  # noqa: E731
     return d_x, int0(layout), int0(rows), d_rw, d_w_in, d_b_in, d_w_out, d_b_out
 
@@ -295,3 +295,57 @@ def grouped_mlp(x, layout, rows, w_in, w_out, *, b_in=None, b_out=None, row_weig
     return _mlp(_ACTIVATIONS[activation], _PRECISIONS[precision], x, layout, rows,
                 row_weights if row_weights is not None else _none(jnp.float64 if x.dtype == jnp.float64 else jnp.float32),
                 w_in, b_in if b_in is not None else none, w_out, b_out if b_out is not None else none)
+
+
+# ---- expert FFN and combine in one op --------------------------------------------------------------
+def _expert_block_fwd_call(act, prec, r, x, rw, w_in, w_out):
+    none = _none(x.dtype)
+    y, a, h = _mlp_call(act, prec, x, r.layout, r.rows, _none(rw.dtype), w_in, none, w_out, none)
+    return _combine_call(r, y, rw), a, h
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _expert_block(act, prec, r, x, rw, w_in, w_out):
+    return _expert_block_fwd_call(act, prec, r, x, rw, w_in, w_out)[0]
+
+
+def _expert_block_fwd(act, prec, r, x, rw, w_in, w_out):
+    out, a, h = _expert_block_fwd_call(act, prec, r, x, rw, w_in, w_out)
+    return out, (r, x, rw, w_in, w_out, a, h)  # not the expert outputs y: the backward does not read them
+
+
+def _expert_block_bwd(act, prec, res, d_out):
+    r, x, rw, w_in, w_out, a, h = res
+    like = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype)  # noqa: E731
+    # combine's backward without weights: d_out copied to every slot's row, as a dispatch moves x
+    y_like = jax.ShapeDtypeStruct((x.shape[0], w_out.shape[-1]), x.dtype)
+    none_w = _none(rw.dtype)
+    d_y, _ = jax.ffi.ffi_call("epx_combine_bwd", (y_like, like(none_w)))(
+        d_out, _none(x.dtype), none_w, r.layout, group=_i64(r.group_id), slot=_i64(r.slot))
+    # the FFN's backward weights d_y's rows and gives the weights' gradient <d_y W_out^T, act(a)>
+    none = _none(x.dtype)
+    workspace = jax.ShapeDtypeStruct((x.shape[0], (a.shape[1] + 1) * a.shape[2]), a.dtype)
+    out = (like(x), like(rw), like(w_in), like(none), like(w_out), like(none), workspace)
+    d_x, d_rw, d_w_in, _, d_w_out, _, _ = jax.ffi.ffi_call("epx_mlp_bwd", out)(
+        d_y, x, r.layout, r.rows, rw, w_in, none, w_out, none, a, h, activation=_i64(act), weight_grads=_i64(1))
+    return _zero_routing(r), d_x, d_rw, d_w_in, d_w_out
+
+
+_expert_block.defvjp(_expert_block_fwd, _expert_block_bwd)
+
+
+def expert_block(routing, x, row_weights, w_in, w_out, *, activation="swiglu", precision="high"):
+    """combine(routing, grouped_mlp(x, ...), row_weights) as one differentiable op, for experts without
+    biases: out [T, H] from the dispatched rows x [capacity, H] and their weights [capacity]. Its
+    backward takes the weights' gradient inside the FFN's, <d_y W_out^T, act(a)> over F columns, instead
+    of <d_out, y> over H in combine's, so the forward keeps no expert outputs y for it and combine's
+    backward is a plain copy of d_out to the rows (the C++ layer's MoEConfig::weight_grads_in_ffn).
+    The same gradients as the two ops composed, up to rounding."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"epx.jax.expert_block: activation is '{activation}', expected one of {', '.join(_ACTIVATIONS)}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"epx.jax.expert_block: precision is '{precision}', expected one of {', '.join(_PRECISIONS)}")
+    if row_weights is None:
+        raise ValueError("epx.jax.expert_block: row_weights is None (dispatch the topk weights; without weights "
+                         "compose grouped_mlp and combine)")
+    return _expert_block(_ACTIVATIONS[activation], _PRECISIONS[precision], routing, x, row_weights, w_in, w_out)
