@@ -48,12 +48,13 @@ def timed(fn, iters, mode="each_step"):
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def bench_preset(name, tokens, iters, devices, variant="full", trace_dir="", timings=()):
+def bench_preset(name, tokens, iters, devices, variant="full", trace_dir="", timings=(), weight_grads="ffn"):
     """variant (diagnostics of where the time goes): full; no_shared (drop the shared experts);
     no_losses (the aux and z losses left out of the differentiated loss); x_grad_only (gradient of
-    x only, no parameter gradient)."""
+    x only, no parameter gradient). weight_grads: where the routing weights get their gradient, "ffn"
+    (epj.expert_block, the default) or "combine" (grouped_mlp then combine)."""
     R = len(devices)
-    spec = epj.LayerSpec.from_preset(name)
+    spec = epj.LayerSpec.from_preset(name, weight_grads_in_ffn=weight_grads == "ffn")
     p = epx_preset(name)
     T = tokens or p.tokens
     group = epj.Group.local(devices, num_experts=spec.num_experts, hidden=spec.hidden, max_tokens_per_rank=T,
@@ -96,7 +97,7 @@ def bench_preset(name, tokens, iters, devices, variant="full", trace_dir="", tim
     stats = devices[0].memory_stats() or {}
     line = {"bench": "layer", "impl": "epx.jax", "preset": name, "ranks": R, "tokens": T, "hidden": spec.hidden,
             "ffn": spec.ffn_hidden, "experts": spec.num_experts, "topk": spec.topk, "transport": group.transport,
-            "fwd_us": round(t_f, 1), "fwd_bwd_us": round(t_fb, 1),
+            "fwd_us": round(t_f, 1), "fwd_bwd_us": round(t_fb, 1), "weight_grads": weight_grads,
             "iters": iters}
     line.update({f"fwd_bwd_{m}_us": round(t, 1) for m, t in queued.items()})
     if variant != "full":
@@ -124,19 +125,22 @@ def main():
     ap.add_argument("--trace", default="", help="folder for a jax.profiler trace of 5 queued fwd+bwd steps per run "
                     "(summarise it with bench/trace_summary.py)")
     ap.add_argument("--epx-only", action="store_true", help="measure epx.jax in this process (no baseline)")
+    ap.add_argument("--weight-grads", default="ffn", choices=("ffn", "combine"),
+                    help="the routing weights' gradient through FC2 (epj.expert_block) or in combine's backward")
     a = ap.parse_args()
     if a.epx_only:
         devices = jax.devices()
         for name in a.presets.split(","):
             for variant in a.variants.split(","):
                 print(json.dumps(bench_preset(name, a.tokens, a.iters, devices, variant, a.trace,
-                                              [t for t in a.timings.split(",") if t])), flush=True)
+                                              [t for t in a.timings.split(",") if t], a.weight_grads)), flush=True)
         return
     here = os.path.dirname(os.path.abspath(__file__))
     for name in a.presets.split(","):
         # One process per side: each gets JAX's allocator to itself and frees it for the next.
         cmd = [sys.executable, os.path.abspath(__file__), "--epx-only", "--presets", name, "--iters", str(a.iters),
-               "--tokens", str(a.tokens), "--variants", a.variants, "--timings", a.timings, "--trace", a.trace]
+               "--tokens", str(a.tokens), "--variants", a.variants, "--timings", a.timings, "--trace", a.trace,
+               "--weight-grads", a.weight_grads]
         mine = {}
         for b in run_lines(cmd):
             if b.get("variant", "full") == "full":
