@@ -300,12 +300,13 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EXPECT_TRUE(testing::bit_equal(pub16, c16)) << "grouped_gemm_wgrad, bf16 out";
 }
 
-// The cooperative wgrad with TMA-stored tiles issues only the MMAs of a group's last 64-row K block that
-// reach its rows (EPX_WGRAD_K_TAIL=trim, the default). Every residue of the rows modulo 64 and 16 around
-// the block and MMA boundaries, groups of one K block and of several, an empty group, and a group whose
-// rows of x are all zero (its products are +-0, where a dropped +0 could leave a -0): the trimmed
-// gradient equals every-MMA's and the cooperative kernel's element for element (+0 == -0), and the
-// reference within the bf16 tolerance. Enough groups that a CTA's ring of per-tile counts wraps.
+// The cooperative wgrad with TMA-stored tiles and the ping-pong ones without a source operand issue only
+// the MMAs of a group's last 64-row K block that reach its rows (EPX_WGRAD_K_TAIL=trim, the default).
+// Every residue of the rows modulo 64 and 16 around the block and MMA boundaries, groups of one K block
+// and of several, an empty group, and a group whose rows of x are all zero (its products are +-0, where
+// a dropped +0 could leave a -0): the trimmed gradient equals every-MMA's and the cooperative kernel's
+// of the same output dtype element for element (+0 == -0), and the reference within the bf16
+// tolerance. Enough groups that a CTA's ring of per-tile counts wraps.
 TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
   EPX_REQUIRE_GROUPED();
   const int64_t K = 136, N = 264;
@@ -321,35 +322,64 @@ TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
   grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
   Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
   const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
-  auto coop_tma = [&](const char* k_tail) {
-    const detail::ScopedEnv scoped("EPX_WGRAD_K_TAIL", k_tail);
-    Tensor out = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
-    cuda::grouped_wgrad_bf16_out_coop_tma(a, d, out.data(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G,
-                                          {});
-    return to_host(out);
+  const int32_t* o = off.ptr<int32_t>();
+  const int32_t* r = rows.ptr<int32_t>();
+  // kernel(out, k_tail): one of the trimming kernels into a gradient full of 7s, on the host
+  using Kernel = void (*)(const cuda::GroupedOperand&, const cuda::GroupedOperand&, void*, int64_t, int64_t,
+                          const int32_t*, const int32_t*, int);
+  struct Trimming {
+    const char* what;
+    DType out;
+    Kernel run;
   };
-  const Tensor trimmed = coop_tma(nullptr), full = coop_tma("full");
-  Tensor c16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
-  cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {});
-  const Tensor coop = to_host(c16);
-  int64_t differ_full = 0, differ_coop = 0, nonzero_in_zero_group = 0;
-  for (int64_t i = 0; i < trimmed.numel(); ++i) {
-    const int64_t g = i / (K * N);
-    if (L.rows.ptr<int32_t>()[g] == 0) {  // skipped like every no-source kernel (the layer zeroes it first)
-      differ_full += trimmed.item(i) != 7.0 || full.item(i) != 7.0;
-      continue;
-    }
-    differ_full += trimmed.item(i) != full.item(i);
-    differ_coop += trimmed.item(i) != coop.item(i);
-    if (g == zero_group) nonzero_in_zero_group += trimmed.item(i) != 0.0;
-  }
-  EXPECT_EQ(differ_full, 0) << "trimmed last K block vs every MMA";
-  EXPECT_EQ(differ_coop, 0) << "trimmed last K block vs the cooperative kernel";
-  EXPECT_EQ(nonzero_in_zero_group, 0) << "zero rows of x give a zero gradient";
+  const Trimming kernels[] = {
+      {"cooperative with TMA-stored tiles, bf16", DType::kBF16,
+       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
+          const int32_t* o, const int32_t* r, int G) {
+         cuda::grouped_wgrad_bf16_out_coop_tma(a, d, out, K * N, K, N, o, r, G, {});
+       }},
+      {"ping-pong without a source, bf16", DType::kBF16,
+       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
+          const int32_t* o, const int32_t* r, int G) {
+         cuda::grouped_wgrad_bf16_out_pingpong_nosource(a, d, out, K * N, K, N, o, r, G, {});
+       }},
+      {"ping-pong without a source, fp32", DType::kF32,
+       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
+          const int32_t* o, const int32_t* r, int G) {
+         cuda::grouped_wgrad_f32_pingpong_nosource(a, d, static_cast<float*>(out), K * N, K, N, o, r, G, {});
+       }}};
+  Tensor c16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16)), c32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
+  cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, o, r, G, {});
+  cuda::grouped_wgrad_bf16(a, d, c32.ptr<float>(), K * N, K, N, o, r, G, {});
+  const Tensor coop16 = to_host(c16), coop32 = to_host(c32);
   Tensor want = Tensor::empty({G, K, N}, DType::kF32);
   for (int64_t i = 0; i < want.numel(); ++i)
     want.ptr<float>()[i] = L.rows.ptr<int32_t>()[i / (K * N)] == 0 ? 7.0f : dw_ref.ptr<float>()[i];
-  EXPECT_LT(rel_err(trimmed, want), 1e-2);
+  for (const Trimming& k : kernels) {
+    auto run = [&](const char* k_tail) {
+      const detail::ScopedEnv scoped("EPX_WGRAD_K_TAIL", k_tail);
+      Tensor out = to_gpu(Tensor::full({G, K, N}, k.out, 7.0));
+      k.run(a, d, out.data(), K, N, o, r, G);
+      return to_host(out);
+    };
+    const Tensor trimmed = run(nullptr), full = run("full");
+    const Tensor& coop = k.out == DType::kF32 ? coop32 : coop16;
+    int64_t differ_full = 0, differ_coop = 0, nonzero_in_zero_group = 0;
+    for (int64_t i = 0; i < trimmed.numel(); ++i) {
+      const int64_t g = i / (K * N);
+      if (L.rows.ptr<int32_t>()[g] == 0) {  // skipped like every no-source kernel (the layer zeroes it first)
+        differ_full += trimmed.item(i) != 7.0 || full.item(i) != 7.0;
+        continue;
+      }
+      differ_full += trimmed.item(i) != full.item(i);
+      differ_coop += trimmed.item(i) != coop.item(i);
+      if (g == zero_group) nonzero_in_zero_group += trimmed.item(i) != 0.0;
+    }
+    EXPECT_EQ(differ_full, 0) << k.what << ": trimmed last K block vs every MMA";
+    EXPECT_EQ(differ_coop, 0) << k.what << ": trimmed last K block vs the cooperative kernel";
+    EXPECT_EQ(nonzero_in_zero_group, 0) << k.what << ": zero rows of x give a zero gradient";
+    EXPECT_LT(rel_err(trimmed, want), 1e-2) << k.what;
+  }
 }
 
 // Accumulating wgrad (the epilogue's beta = 1): the public op with accumulate adds this gradient to

@@ -24,6 +24,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "core/gemm_sm_limit.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/gemm/cutlass/k_tail_mainloop_sm90.cuh"
 #include "cuda/gemm/grouped_gemm_cuda.h"
 
 namespace epx::cuda::grouped {
@@ -84,6 +85,7 @@ struct CooperativeNoSource {
 // clock (bench_grouped_gemm --wgrad CASE trials): 1.13x CooperativeNoSource at DeepSeek-V3's shapes
 // with 256 rows a group and 1.11x at 32 groups x 1024 rows (the 2x1 cluster gives 1-2% and 8% of
 // that), 0.9x at 128 rows a group, where wgrad_schedule() keeps CooperativeNoSource.
+// Its mainloop issues only the MMAs of a group's last K block that reach its rows (k_tail_mainloop_sm90.cuh).
 struct PingpongNoSource {
   using TileShape = cute::Shape<_128, _128, _64>;
   using ClusterShape = cute::Shape<_2, _1, _1>;
@@ -91,6 +93,7 @@ struct PingpongNoSource {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using EpilogueTile = cute::Shape<_64, _64>;
   static constexpr bool kNoSource = true;
+  static constexpr bool kTrimmedKTail = true;
 };
 
 // Cooperative tiles in pairs along M that share their B tile through TMA multicast: half the B
@@ -126,6 +129,10 @@ template <class S, class = void>
 struct HasNoSource : std::false_type {};
 template <class S>
 struct HasNoSource<S, std::void_t<decltype(S::kNoSource)>> : std::bool_constant<S::kNoSource> {};
+template <class S, class = void>
+struct TrimsKTail : std::false_type {};
+template <class S>
+struct TrimsKTail<S, std::void_t<decltype(S::kTrimmedKTail)>> : std::bool_constant<S::kTrimmedKTail> {};
 
 // The pointer-array epilogue of every grouped kernel: D = alpha * the fp32 accumulator + beta * C,
 // converted to ElementOut, row-major, 16-byte aligned rows (ElementC void: D = the accumulator).
@@ -168,11 +175,12 @@ struct Bf16Parts {
   using ElementC = std::conditional_t<HasNoSource<Schedule>::value, void, ElementOut>;
   using Epilogue = PtrArrayEpilogue<TileShape, ClusterShape, ElementOut, typename Schedule::EpilogueSchedule,
                                     typename EpilogueTileOf<Schedule>::type, ElementC>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB, LayoutB*, kAlignAB,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Schedule::MainloopSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<TrimsKTail<Schedule>::value, KTailMainloop<BuiltMainloop>, BuiltMainloop>;
 };
 
 template <class LayoutA, class LayoutB, class ElementOut, class Schedule = Cooperative,

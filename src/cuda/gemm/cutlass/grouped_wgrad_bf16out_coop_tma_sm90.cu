@@ -1,12 +1,9 @@
 // Wgrad with overwritten bf16 gradients whose cooperative tiles leave by TMA box stores from one staged
 // tile: see wgrad_tma_store_sm90.cuh.
 #include "cuda/gemm/cutlass/wgrad_tma_store_sm90.cuh"
-#include "core/env_choice.h"
 #include "epx/error.h"
 
 namespace epx::cuda {
-
-bool wgrad_trims_k_tail() { return detail::env_choice("EPX_WGRAD_K_TAIL", {"trim", "full"}) != 1; }
 
 bool wgrad_coop_tma_supports(const void* out, int64_t N, int64_t out_group_stride) {
   return staged_tile::tma_output_supported(out, N, N, out_group_stride);

@@ -1,5 +1,5 @@
-// The bf16 pointer-array mainloop of the cooperative wgrad kernel without the MMAs of a group's last
-// K block that lie wholly past the group's rows.
+// The bf16 pointer-array mainloop of the wgrad kernels without the MMAs of a group's last K block that
+// lie wholly past the group's rows.
 //
 // A wgrad contracts over each group's rows (K = the group's row count) in 64-deep K blocks, four
 // 16-deep MMAs each. An expert's row count is rarely a multiple of 64 (the layer's routing gives
@@ -18,10 +18,13 @@
 // tile has at least one), which needs the consumers to have released the slot's first stage, after
 // they read it: kRing >= Stages + 1. The ring lives behind the pipeline's barriers (PipelineStorage);
 // load() and mma() find it from the pipeline's first full barrier, the first member of that storage.
-// Only what the kernel calls differently is replaced: tensors_perform_update() (notes the group's
-// rows), load() (fills the ring, then the base's loads) and mma() (the base's sequence of waits,
-// MMAs and releases, with the last block trimmed). EPX_WGRAD_K_TAIL=full issues every MMA (the base's
-// work, for comparisons).
+// In the ping-pong kernel the two consumer warp groups take the producer's tiles in turn (the first
+// warp group the even ones), so a warp group's j-th tile is the producer's 2j + (its index - 1); that
+// needs every tile to have K blocks, as every tile of a grouped wgrad does (a group without rows has
+// no tiles). Only what the kernel calls differently is replaced: tensors_perform_update() (notes the
+// group's rows), load() (fills the ring, then the base's loads) and mma() (the base's sequence of
+// waits, MMAs and releases, with the last block trimmed). EPX_WGRAD_K_TAIL=full issues every MMA (the
+// base's work, for comparisons).
 #pragma once
 
 #include <cstddef>
@@ -29,11 +32,13 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
 
 namespace epx::cuda {
 
-/// EPX_WGRAD_K_TAIL=trim (the default) or full: whether the cooperative wgrad with TMA-stored tiles
-/// skips the MMAs of a group's last K block that lie past its rows (k_tail_mainloop_sm90.cuh).
+/// EPX_WGRAD_K_TAIL=trim (the default) or full: whether the wgrad kernels built on KTailMainloop (the
+/// cooperative one with TMA-stored tiles, the ping-pong ones without a source operand) skip the MMAs
+/// of a group's last K block that lie past its rows (k_tail_mainloop_sm90.cuh).
 bool wgrad_trims_k_tail();
 
 }  // namespace epx::cuda
@@ -56,6 +61,9 @@ struct KTailMainloop : Base {
   static constexpr int kBlockK = cute::size<2>(TileShape{});
   static constexpr int kMmaK = cute::size<2>(typename TiledMma::AtomShape_MNK{});
   static constexpr int kMmasPerBlock = kBlockK / kMmaK;
+  // the consumer warp groups alternate tiles (ping-pong) rather than share each one (cooperative)
+  static constexpr bool kAlternating =
+      cute::is_base_of_v<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong, typename DispatchPolicy::Schedule>;
   static_assert(DispatchPolicy::Stages + 1 <= kRing, "a ring slot must outlive the stages a tile can run ahead");
   static_assert(Base::K_PIPE_MMAS == 1, "one K block's MMAs in flight, as the base's mainloop");
   static_assert(kMmasPerBlock * kMmaK == kBlockK && kMmasPerBlock > 1, "K blocks of several whole MMAs");
@@ -132,7 +140,9 @@ struct KTailMainloop : Base {
     PipelineState release = smem_pipe_read;
     pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
     // After the first stage's wait: the producer wrote the slot before that stage's arrive.
-    const int slot = ring_of(pipeline)[tiles_computed_ % kRing];
+    // Consumer warp groups are 1 and 2 (the producer's is 0).
+    const int tile = kAlternating ? 2 * tiles_computed_ + (cutlass::canonical_warp_group_idx() - 1) : tiles_computed_;
+    const int slot = ring_of(pipeline)[tile % kRing];
     ++tiles_computed_;
     const int last_mmas = params.trim ? slot : kMmasPerBlock;
 
@@ -185,7 +195,7 @@ struct KTailMainloop : Base {
  private:
   int group_k_ = 0;         // producer: rows of the group being loaded
   int tiles_loaded_ = 0;    // producer: tiles with K blocks loaded so far
-  int tiles_computed_ = 0;  // consumers: tiles with K blocks computed so far
+  int tiles_computed_ = 0;  // consumers: tiles with K blocks this warp group computed so far
 };
 
 }  // namespace epx::cuda::grouped
