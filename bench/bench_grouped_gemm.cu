@@ -491,21 +491,6 @@ void run_wgrad_variants(const char* name, const std::vector<int>& sizes, int64_t
        }},
       {"pingpong_nosource", "fp32",
        [&] { cuda::grouped_wgrad_f32_pingpong_nosource(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {}); }},
-      {"pingpong_full_k", "fp32",
-       [&] {
-         const detail::ScopedEnv full("EPX_WGRAD_K_TAIL", "full");
-         cuda::grouped_wgrad_bf16_pingpong(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {});
-       }},
-      {"pingpong_full_k", "bf16",
-       [&] {
-         const detail::ScopedEnv full("EPX_WGRAD_K_TAIL", "full");
-         cuda::grouped_wgrad_bf16_out_pingpong(a, d, dw16.data(), K * N, K, N, off, rows, G, {});
-       }},
-      {"cooperative_full_k", "fp32",
-       [&] {
-         const detail::ScopedEnv full("EPX_WGRAD_K_TAIL", "full");
-         cuda::grouped_wgrad_bf16(a, d, dw32.ptr<float>(), K * N, K, N, off, rows, G, {});
-       }},
       {"pingpong_nosource_full_k", "bf16",
        [&] {
          const detail::ScopedEnv full("EPX_WGRAD_K_TAIL", "full");

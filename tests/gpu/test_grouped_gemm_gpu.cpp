@@ -300,13 +300,13 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EXPECT_TRUE(testing::bit_equal(pub16, c16)) << "grouped_gemm_wgrad, bf16 out";
 }
 
-// Every wgrad kernel issues only the MMAs of a group's last 64-row K block that reach its rows
-// (EPX_WGRAD_K_TAIL=trim, the default).
+// The cooperative wgrad with TMA-stored tiles and the ping-pong ones without a source operand issue only
+// the MMAs of a group's last 64-row K block that reach its rows (EPX_WGRAD_K_TAIL=trim, the default).
 // Every residue of the rows modulo 64 and 16 around the block and MMA boundaries, groups of one K block
 // and of several, an empty group, and a group whose rows of x are all zero (its products are +-0, where
-// a dropped +0 could leave a -0): each kernel's trimmed gradient equals its own with every MMA and the
-// cooperative kernel's with every MMA, of the same output dtype, element for element (+0 == -0), and
-// the reference within the bf16 tolerance. Enough groups that a CTA's ring of per-tile counts wraps.
+// a dropped +0 could leave a -0): the trimmed gradient equals every-MMA's and the cooperative kernel's
+// of the same output dtype element for element (+0 == -0), and the reference within the bf16
+// tolerance. Enough groups that a CTA's ring of per-tile counts wraps.
 TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
   EPX_REQUIRE_GROUPED();
   const int64_t K = 136, N = 264;
@@ -347,44 +347,10 @@ TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
        [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
           const int32_t* o, const int32_t* r, int G) {
          cuda::grouped_wgrad_f32_pingpong_nosource(a, d, static_cast<float*>(out), K * N, K, N, o, r, G, {});
-       }},
-      {"cooperative, fp32", DType::kF32,
-       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
-          const int32_t* o, const int32_t* r, int G) {
-         cuda::grouped_wgrad_bf16(a, d, static_cast<float*>(out), K * N, K, N, o, r, G, {});
-       }},
-      {"cooperative, bf16", DType::kBF16,
-       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
-          const int32_t* o, const int32_t* r, int G) {
-         cuda::grouped_wgrad_bf16_out(a, d, out, K * N, K, N, o, r, G, {});
-       }},
-      {"ping-pong, fp32", DType::kF32,
-       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
-          const int32_t* o, const int32_t* r, int G) {
-         cuda::grouped_wgrad_bf16_pingpong(a, d, static_cast<float*>(out), K * N, K, N, o, r, G, {});
-       }},
-      {"ping-pong, bf16", DType::kBF16,
-       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
-          const int32_t* o, const int32_t* r, int G) {
-         cuda::grouped_wgrad_bf16_out_pingpong(a, d, out, K * N, K, N, o, r, G, {});
-       }},
-      {"cooperative without a source, bf16", DType::kBF16,
-       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
-          const int32_t* o, const int32_t* r, int G) {
-         cuda::grouped_wgrad_bf16_out_nosource(a, d, out, K * N, K, N, o, r, G, {});
-       }},
-      {"cooperative in 2x1 clusters, bf16", DType::kBF16,
-       [](const cuda::GroupedOperand& a, const cuda::GroupedOperand& d, void* out, int64_t K, int64_t N,
-          const int32_t* o, const int32_t* r, int G) {
-         cuda::grouped_wgrad_bf16_out_cluster(a, d, out, K * N, K, N, o, r, G, {});
        }}};
-  // The cooperative kernel with every MMA: the independent result each trimmed one is held to.
   Tensor c16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16)), c32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
-  {
-    const detail::ScopedEnv full("EPX_WGRAD_K_TAIL", "full");
-    cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, o, r, G, {});
-    cuda::grouped_wgrad_bf16(a, d, c32.ptr<float>(), K * N, K, N, o, r, G, {});
-  }
+  cuda::grouped_wgrad_bf16_out(a, d, c16.data(), K * N, K, N, o, r, G, {});
+  cuda::grouped_wgrad_bf16(a, d, c32.ptr<float>(), K * N, K, N, o, r, G, {});
   const Tensor coop16 = to_host(c16), coop32 = to_host(c32);
   Tensor want = Tensor::empty({G, K, N}, DType::kF32);
   for (int64_t i = 0; i < want.numel(); ++i)
@@ -410,7 +376,7 @@ TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
       if (g == zero_group) nonzero_in_zero_group += trimmed.item(i) != 0.0;
     }
     EXPECT_EQ(differ_full, 0) << k.what << ": trimmed last K block vs every MMA";
-    EXPECT_EQ(differ_coop, 0) << k.what << ": trimmed last K block vs the cooperative kernel with every MMA";
+    EXPECT_EQ(differ_coop, 0) << k.what << ": trimmed last K block vs the cooperative kernel";
     EXPECT_EQ(nonzero_in_zero_group, 0) << k.what << ": zero rows of x give a zero gradient";
     EXPECT_LT(rel_err(trimmed, want), 1e-2) << k.what;
   }

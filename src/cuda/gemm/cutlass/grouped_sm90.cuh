@@ -59,14 +59,6 @@ struct Pingpong {
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
-// The wgrad's: Cooperative and Pingpong whose mainloop issues only the MMAs of a group's last K block
-// that reach its rows (k_tail_mainloop_sm90.cuh; the contraction is the group's rows).
-struct CooperativeWgrad : Cooperative {
-  static constexpr bool kTrimmedKTail = true;
-};
-struct PingpongWgrad : Pingpong {
-  static constexpr bool kTrimmedKTail = true;
-};
 
 // Cooperative 128x256 tiles without the source operand C (no beta: overwriting only) and with
 // 128x128 epilogue sub-tiles instead of CUTLASS's 128x32: the shared memory C's stages held goes to
@@ -83,7 +75,6 @@ struct CooperativeNoSource {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   using EpilogueTile = cute::Shape<_128, _128>;
   static constexpr bool kNoSource = true;
-  static constexpr bool kTrimmedKTail = true;
 };
 
 // Ping-pong 128x128 tiles without the source operand C, with 64x64 epilogue sub-tiles (CUTLASS's
@@ -112,7 +103,6 @@ struct CooperativeCluster2x1 {
   using ClusterShape = cute::Shape<_2, _1, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-  static constexpr bool kTrimmedKTail = true;
 };
 // The same in pairs along N sharing their A tile: a group's M tiles need not come in pairs (a group
 // with an odd tile count leaves half a 2x1 cluster idle on its last tile), its N tiles always do

@@ -9,7 +9,7 @@ bool wgrad_trims_k_tail() { return detail::env_choice("EPX_WGRAD_K_TAIL", {"trim
 
 void grouped_wgrad_bf16(GroupedOperand a, GroupedOperand d, float* out, int64_t out_group_stride, int64_t K, int64_t N,
                         const int32_t* offsets, const int32_t* rows, int groups, Stream stream, float beta) {
-  using Kn = grouped::Kernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, grouped::CooperativeWgrad>;
+  using Kn = grouped::Kernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float>;
   grouped::run<Kn, float>(2, grouped::Mode::kWgrad, a, d, out, N, out_group_stride, K, N, beta, offsets, rows, groups,
                           stream);
 }
