@@ -213,8 +213,7 @@ ffi::Error mlp_fwd(Where w, int64_t activation, int64_t precision, ffi::AnyBuffe
 // (MlpConfig::combine_weight_grads); else row_weights are the early weights or empty.
 ffi::Error mlp_bwd(Where w, int64_t activation, int64_t weight_grads, ffi::AnyBuffer d_y, ffi::AnyBuffer x,
                    ffi::AnyBuffer offsets, ffi::AnyBuffer rows, ffi::AnyBuffer row_weights, ffi::AnyBuffer w_in,
-                   ffi::AnyBuffer b_in,
-                   ffi::AnyBuffer w_out, ffi::AnyBuffer b_out, ffi::AnyBuffer a, ffi::AnyBuffer h,
+                   ffi::AnyBuffer b_in, ffi::AnyBuffer w_out, ffi::AnyBuffer b_out, ffi::AnyBuffer a, ffi::AnyBuffer h,
                    ffi::Result<ffi::AnyBuffer> d_x, ffi::Result<ffi::AnyBuffer> d_rw, ffi::Result<ffi::AnyBuffer> d_w_in,
                    ffi::Result<ffi::AnyBuffer> d_b_in, ffi::Result<ffi::AnyBuffer> d_w_out,
                    ffi::Result<ffi::AnyBuffer> d_b_out, ffi::Result<ffi::AnyBuffer> workspace) {
@@ -288,9 +287,9 @@ auto bind_mlp_fwd(B&& b) {
 template <class B>
 auto bind_mlp_bwd(B&& b) {
   auto a = std::move(b).template Attr<int64_t>("activation").template Attr<int64_t>("weight_grads")
-               .template Arg<Buf>().template Arg<Buf>()
                .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
-               .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>();
+               .template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>().template Arg<Buf>()
+               .template Arg<Buf>();
   return std::move(a).template Ret<Buf>().template Ret<Buf>().template Ret<Buf>().template Ret<Buf>()
       .template Ret<Buf>().template Ret<Buf>().template Ret<Buf>();
 }
