@@ -87,14 +87,19 @@ def chain(group, x, logits, w_in, w_out, router, slot=0):
     return epj.combine(r, y, recv_w), idx, w
 
 
-def test_ops_chain_matches_dense_formula_and_check_grads_fp64():
-    E, H, F, K, T = 4, 8, 4, 2, 6
-    g = cpu_group(E, H, T, K)
-    k = jax.random.split(jax.random.key(1), 4)
+def chain_inputs(seed, E=4, H=8, F=4, K=2, T=6):
+    """A CPU group and fp64 x [T, H], logits [T, E], w_in, w_out and a cotangent [T, H] on the CPU."""
+    k = jax.random.split(jax.random.key(seed), 5)
     x, logits = jax.random.normal(k[0], (T, H), jnp.float64), jax.random.normal(k[1], (T, E), jnp.float64)
     w_in = 0.5 * jax.random.normal(k[2], (E, H, 2, F), jnp.float64)
     w_out = 0.5 * jax.random.normal(k[3], (E, F, H), jnp.float64)
-    x, logits, w_in, w_out = on_cpu(x, logits, w_in, w_out)
+    cot = jax.random.normal(k[4], (T, H), jnp.float64)
+    return (cpu_group(E, H, T, K), *on_cpu(x, logits, w_in, w_out, cot))
+
+
+def test_ops_chain_matches_dense_formula_and_check_grads_fp64():
+    E, K = 4, 2
+    g, x, logits, w_in, w_out, _ = chain_inputs(1, E=E, K=K)
     r = epj.Router(E, K)
     out, idx, w = jax.jit(lambda *a: chain(g, *a, r))(x, logits, w_in, w_out)
     np.testing.assert_allclose(np.asarray(out), dense_moe(x, idx, w, w_in, w_out), rtol=1e-10, atol=1e-10)
@@ -112,14 +117,8 @@ def test_expert_block_is_grouped_mlp_then_combine_with_the_weights_gradient_in_t
     """expert_block's forward is combine(grouped_mlp(...)); its backward takes the routing weights'
     gradient through FC2: the same gradients as the two ops composed (fp64: to rounding), and
     check_grads against finite differences through router, dispatch and the block."""
-    E, H, F, K, T = 4, 8, 4, 2, 6
-    g = cpu_group(E, H, T, K)
-    k = jax.random.split(jax.random.key(11), 5)
-    x, logits = jax.random.normal(k[0], (T, H), jnp.float64), jax.random.normal(k[1], (T, E), jnp.float64)
-    w_in = 0.5 * jax.random.normal(k[2], (E, H, 2, F), jnp.float64)
-    w_out = 0.5 * jax.random.normal(k[3], (E, F, H), jnp.float64)
-    cot = jax.random.normal(k[4], (T, H), jnp.float64)
-    x, logits, w_in, w_out, cot = on_cpu(x, logits, w_in, w_out, cot)
+    E, K = 4, 2
+    g, x, logits, w_in, w_out, cot = chain_inputs(11, E=E, K=K)
     r = epj.Router(E, K)
     out, idx, w = jax.jit(lambda *a: block_chain(g, *a, r))(x, logits, w_in, w_out)
     np.testing.assert_allclose(np.asarray(out), dense_moe(x, idx, w, w_in, w_out), rtol=1e-10, atol=1e-10)
