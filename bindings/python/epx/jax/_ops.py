@@ -247,6 +247,13 @@ group_sum.defvjp(lambda gid, x: (_group_sum_call(gid, x), None), lambda gid, _, 
 _PRECISIONS = {"high": 0, "fp8_block": 1, "mxfp8": 2}
 
 
+def _check_choices(op, activation, precision):
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"epx.jax.{op}: activation is '{activation}', expected one of {', '.join(_ACTIVATIONS)}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"epx.jax.{op}: precision is '{precision}', expected one of {', '.join(_PRECISIONS)}")
+
+
 def _mlp_call(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out):
     n, P, F = x.shape[0], w_in.shape[2], w_in.shape[3]
     out = (jax.ShapeDtypeStruct((n, w_out.shape[-1]), x.dtype), jax.ShapeDtypeStruct((n, P, F), x.dtype),
@@ -265,14 +272,20 @@ def _mlp_fwd(act, prec, x, layout, rows, rw, w_in, b_in, w_out, b_out):
     return y, (x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h)
 
 
-def _mlp_bwd(act, prec, res, d_y):  # the backward is the same whatever the forward's precision
-    x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h = res
+def _mlp_bwd_call(act, weight_grads, d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h):
+    """(d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out); weight_grads: rw were applied in combine, whose
+    backward handed d_y over unweighted (the FFN's backward weights it and gives rw's gradient)."""
     like = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype)  # noqa: E731
     # the last output is the backward's workspace for d_h and d_a (dropped after the call)
     workspace = jax.ShapeDtypeStruct((x.shape[0], (a.shape[1] + 1) * a.shape[2]), a.dtype)
     out = (like(x), like(rw), like(w_in), like(b_in), like(w_out), like(b_out), workspace)
-    d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out, _ = jax.ffi.ffi_call("epx_mlp_bwd", out)(
-        d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h, activation=_i64(act), weight_grads=_i64(0))
+    return jax.ffi.ffi_call("epx_mlp_bwd", out)(d_y, x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h,
+                                                activation=_i64(act), weight_grads=_i64(weight_grads))[:6]
+
+
+def _mlp_bwd(act, prec, res, d_y):  # the backward is the same whatever the forward's precision
+    x, layout, rows, rw, w_in, b_in, w_out, b_out, a, h = res
+    d_x, d_rw, d_w_in, d_b_in, d_w_out, d_b_out = _mlp_bwd_call(act, 0, d_y, *res)
     int0 = lambda t: np.zeros(t.shape, jax.dtypes.float0)  # noqa: E731
     return d_x, int0(layout), int0(rows), d_rw, d_w_in, d_b_in, d_w_out, d_b_out
 
@@ -287,10 +300,7 @@ def grouped_mlp(x, layout, rows, w_in, w_out, *, b_in=None, b_out=None, row_weig
     w_out [G, F, H]); with row_weights the activation is scaled by each row's weight before FC2.
     precision "fp8_block" runs the forward's GEMMs on FP8 operands (DeepSeek-V3 block scales; on a
     GPU H and F multiples of 128); the backward is the same in every precision."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"epx.jax.grouped_mlp: activation is '{activation}', expected one of {', '.join(_ACTIVATIONS)}")
-    if precision not in _PRECISIONS:
-        raise ValueError(f"epx.jax.grouped_mlp: precision is '{precision}', expected one of {', '.join(_PRECISIONS)}")
+    _check_choices("grouped_mlp", activation, precision)
     none = _none(x.dtype)
     return _mlp(_ACTIVATIONS[activation], _PRECISIONS[precision], x, layout, rows,
                 row_weights if row_weights is not None else _none(jnp.float64 if x.dtype == jnp.float64 else jnp.float32),
@@ -316,18 +326,15 @@ def _expert_block_fwd(act, prec, r, x, rw, w_in, w_out):
 
 def _expert_block_bwd(act, prec, res, d_out):
     r, x, rw, w_in, w_out, a, h = res
-    like = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype)  # noqa: E731
     # combine's backward without weights: d_out copied to every slot's row, as a dispatch moves x
     y_like = jax.ShapeDtypeStruct((x.shape[0], w_out.shape[-1]), x.dtype)
     none_w = _none(rw.dtype)
-    d_y, _ = jax.ffi.ffi_call("epx_combine_bwd", (y_like, like(none_w)))(
+    d_y, _ = jax.ffi.ffi_call("epx_combine_bwd", (y_like, jax.ShapeDtypeStruct(none_w.shape, none_w.dtype)))(
         d_out, _none(x.dtype), none_w, r.layout, group=_i64(r.group_id), slot=_i64(r.slot))
     # the FFN's backward weights d_y's rows and gives the weights' gradient <d_y W_out^T, act(a)>
     none = _none(x.dtype)
-    workspace = jax.ShapeDtypeStruct((x.shape[0], (a.shape[1] + 1) * a.shape[2]), a.dtype)
-    out = (like(x), like(rw), like(w_in), like(none), like(w_out), like(none), workspace)
-    d_x, d_rw, d_w_in, _, d_w_out, _, _ = jax.ffi.ffi_call("epx_mlp_bwd", out)(
-        d_y, x, r.layout, r.rows, rw, w_in, none, w_out, none, a, h, activation=_i64(act), weight_grads=_i64(1))
+    d_x, d_rw, d_w_in, _, d_w_out, _ = _mlp_bwd_call(act, 1, d_y, x, r.layout, r.rows, rw, w_in, none, w_out, none,
+                                                     a, h)
     return _zero_routing(r), d_x, d_rw, d_w_in, d_w_out
 
 
@@ -341,10 +348,7 @@ def expert_block(routing, x, row_weights, w_in, w_out, *, activation="swiglu", p
     of <d_out, y> over H in combine's, so the forward keeps no expert outputs y for it and combine's
     backward is a plain copy of d_out to the rows (the C++ layer's MoEConfig::weight_grads_in_ffn).
     The same gradients as the two ops composed, up to rounding."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"epx.jax.expert_block: activation is '{activation}', expected one of {', '.join(_ACTIVATIONS)}")
-    if precision not in _PRECISIONS:
-        raise ValueError(f"epx.jax.expert_block: precision is '{precision}', expected one of {', '.join(_PRECISIONS)}")
+    _check_choices("expert_block", activation, precision)
     if row_weights is None:
         raise ValueError("epx.jax.expert_block: row_weights is None (dispatch the topk weights; without weights "
                          "compose grouped_mlp and combine)")
