@@ -231,20 +231,50 @@ TEST(GroupedGemmGpu, TileOrdersGiveIdenticalResultsAndBadOrdersAreNamed) {
   }
 }
 
+// A wgrad problem on the host and the GPU: x [rows, K] and dy [rows, N] in bf16 over layout L, the
+// reference gradient, device copies and the kernels' operand views. prepare_x may change x (on the
+// host) before the reference and the copies are made.
+struct WgradProblem {
+  int64_t K, N;
+  Layout L;
+  int G;
+  Tensor x, dy, dw_ref, xg, dyg, off, rows;
+  cuda::GroupedOperand a, d;
+  const int32_t* o;
+  const int32_t* r;
+
+  template <class PrepareX>
+  WgradProblem(int64_t K_, int64_t N_, Layout layout, uint64_t seed, PrepareX&& prepare_x)
+      : K(K_), N(N_), L(std::move(layout)), G(static_cast<int>(L.rows.size(0))) {
+    x = randn({L.total, K}, DType::kBF16, seed);
+    dy = randn({L.total, N}, DType::kBF16, seed + 1);
+    prepare_x(*this);
+    dw_ref = Tensor::zeros({G, K, N}, DType::kF32);
+    grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
+    xg = to_gpu(x);
+    dyg = to_gpu(dy);
+    off = to_gpu(L.offsets);
+    rows = to_gpu(L.rows);
+    a = {xg.data(), K, 0};
+    d = {dyg.data(), N, 0};
+    o = off.ptr<int32_t>();
+    r = rows.ptr<int32_t>();
+  }
+  WgradProblem(int64_t K_, int64_t N_, Layout layout, uint64_t seed)
+      : WgradProblem(K_, N_, std::move(layout), seed, [](WgradProblem&) {}) {}
+
+  bool empty_group_of(int64_t element) const { return L.rows.ptr<int32_t>()[element / (K * N)] == 0; }
+};
+
 // Both wgrad schedules, fp32 and bf16 out: each matches the reference, the schedules agree bit for
 // bit (same k order inside a tile), bf16 out is the fp32 result rounded once, empty groups are zero.
 TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EPX_REQUIRE_GROUPED();
-  const int64_t K = 136, N = 264;  // not multiples of either tile
-  const Layout L = make_layout({300, 0, 1, 130, 16, 0, 9}, 16);
-  const int G = static_cast<int>(L.rows.size(0));
-  Tensor x = randn({L.total, K}, DType::kBF16, 11), dy = randn({L.total, N}, DType::kBF16, 12);
-  Tensor dw_ref = Tensor::zeros({G, K, N}, DType::kF32);
-  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
-  Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-  const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
-  const int32_t* o = off.ptr<int32_t>();
-  const int32_t* r = rows.ptr<int32_t>();
+  const WgradProblem p(136, 264, make_layout({300, 0, 1, 130, 16, 0, 9}, 16), 11);  // K, N off either tile
+  const int64_t K = p.K, N = p.N;
+  const int G = p.G;
+  const cuda::GroupedOperand &a = p.a, &d = p.d;
+  const int32_t *o = p.o, *r = p.r;
   Tensor c32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32)), p32 = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
   Tensor c16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16)), p16 = to_gpu(Tensor::zeros({G, K, N}, DType::kBF16));
   cuda::grouped_wgrad_bf16(a, d, c32.ptr<float>(), K * N, K, N, o, r, G, {});
@@ -261,7 +291,7 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   cuda::grouped_wgrad_bf16_out_coop_tma(a, d, t16.data(), K * N, K, N, o, r, G, {});
   Tensor q32 = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
   cuda::grouped_wgrad_f32_pingpong_nosource(a, d, q32.ptr<float>(), K * N, K, N, o, r, G, {});
-  EXPECT_LT(rel_err(c32, dw_ref), 1e-2);
+  EXPECT_LT(rel_err(c32, p.dw_ref), 1e-2);
   EXPECT_TRUE(testing::bit_equal(p32, c32)) << "ping-pong vs cooperative, fp32 out";
   EXPECT_TRUE(testing::bit_equal(p16, c16)) << "ping-pong vs cooperative, bf16 out";
   EXPECT_TRUE(testing::bit_equal(k16, c16)) << "2x1 clusters vs cooperative, bf16 out";
@@ -279,10 +309,8 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
                             NoSource{"no-source ping-pong, fp32 out", &q32, &ch32}}) {
     const Tensor h = to_host(*v.got);
     int64_t differ = 0;
-    for (int64_t i = 0; i < h.numel(); ++i) {
-      const bool empty_group = L.rows.ptr<int32_t>()[i / (K * N)] == 0;
-      differ += empty_group ? h.item(i) != 7.0 : h.item(i) != v.want->item(i);
-    }
+    for (int64_t i = 0; i < h.numel(); ++i)
+      differ += p.empty_group_of(i) ? h.item(i) != 7.0 : h.item(i) != v.want->item(i);
     EXPECT_EQ(differ, 0) << v.what << " vs cooperative";
   }
   Tensor h32 = to_host(c32), h16 = to_host(c16), rounded = Tensor::empty({G, K, N}, DType::kBF16);
@@ -290,13 +318,13 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
   EXPECT_TRUE(testing::bit_equal(h16, rounded)) << "bf16 out must be the fp32 accumulator rounded once";
   // the public op through the configured schedule agrees too
   Tensor pub = to_gpu(Tensor::full({G, K, N}, DType::kF32, 7.0));
-  grouped_gemm_wgrad(xg, dyg, off, rows, pub);
+  grouped_gemm_wgrad(p.xg, p.dyg, p.off, p.rows, pub);
   EXPECT_TRUE(testing::bit_equal(pub, c32)) << "grouped_gemm_wgrad";
   Tensor ph = to_host(pub);
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), 0.0) << "empty expert's gradient must be zero";
   // bf16 gradients through the public op (auto: the no-source cooperative kernel at groups this small)
   Tensor pub16 = to_gpu(Tensor::full({G, K, N}, DType::kBF16, 7.0));
-  grouped_gemm_wgrad(xg, dyg, off, rows, pub16);
+  grouped_gemm_wgrad(p.xg, p.dyg, p.off, p.rows, pub16);
   EXPECT_TRUE(testing::bit_equal(pub16, c16)) << "grouped_gemm_wgrad, bf16 out";
 }
 
@@ -309,21 +337,17 @@ TEST(GroupedGemmGpu, WgradSchedulesAgreeAndMatchReference) {
 // tolerance. Enough groups that a CTA's ring of per-tile counts wraps.
 TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
   EPX_REQUIRE_GROUPED();
-  const int64_t K = 136, N = 264;
   std::vector<int> sizes = {1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 0, 79, 80, 81, 127, 128, 129, 200, 256};
   for (int i = 0; i < 40; ++i) sizes.push_back(1 + (i * 37) % 300);
-  const Layout L = make_layout(sizes, 1);
-  const int G = static_cast<int>(L.rows.size(0));
-  Tensor x = randn({L.total, K}, DType::kBF16, 31), dy = randn({L.total, N}, DType::kBF16, 32);
   const int zero_group = 3;  // 17 rows of zeros times nonzero gradients
-  for (int64_t r = L.offsets.ptr<int32_t>()[zero_group]; r < L.offsets.ptr<int32_t>()[zero_group + 1]; ++r)
-    for (int64_t k = 0; k < K; ++k) store_from_double(x.data(), DType::kBF16, r * K + k, 0.0);
-  Tensor dw_ref = Tensor::zeros({G, K, N}, DType::kF32);
-  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, dw_ref);
-  Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
-  const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
-  const int32_t* o = off.ptr<int32_t>();
-  const int32_t* r = rows.ptr<int32_t>();
+  const WgradProblem p(136, 264, make_layout(sizes, 1), 31, [&](WgradProblem& q) {
+    for (int64_t row = q.L.offsets.ptr<int32_t>()[zero_group]; row < q.L.offsets.ptr<int32_t>()[zero_group + 1]; ++row)
+      for (int64_t k = 0; k < q.K; ++k) store_from_double(q.x.data(), DType::kBF16, row * q.K + k, 0.0);
+  });
+  const int64_t K = p.K, N = p.N;
+  const int G = p.G;
+  const cuda::GroupedOperand &a = p.a, &d = p.d;
+  const int32_t *o = p.o, *r = p.r;
   // kernel(out, k_tail): one of the trimming kernels into a gradient full of 7s, on the host
   using Kernel = void (*)(const cuda::GroupedOperand&, const cuda::GroupedOperand&, void*, int64_t, int64_t,
                           const int32_t*, const int32_t*, int);
@@ -354,7 +378,7 @@ TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
   const Tensor coop16 = to_host(c16), coop32 = to_host(c32);
   Tensor want = Tensor::empty({G, K, N}, DType::kF32);
   for (int64_t i = 0; i < want.numel(); ++i)
-    want.ptr<float>()[i] = L.rows.ptr<int32_t>()[i / (K * N)] == 0 ? 7.0f : dw_ref.ptr<float>()[i];
+    want.ptr<float>()[i] = p.empty_group_of(i) ? 7.0f : p.dw_ref.ptr<float>()[i];
   for (const Trimming& k : kernels) {
     auto run = [&](const char* k_tail) {
       const detail::ScopedEnv scoped("EPX_WGRAD_K_TAIL", k_tail);
@@ -367,7 +391,7 @@ TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
     int64_t differ_full = 0, differ_coop = 0, nonzero_in_zero_group = 0;
     for (int64_t i = 0; i < trimmed.numel(); ++i) {
       const int64_t g = i / (K * N);
-      if (L.rows.ptr<int32_t>()[g] == 0) {  // skipped like every no-source kernel (the layer zeroes it first)
+      if (p.empty_group_of(i)) {  // skipped like every no-source kernel (the layer zeroes it first)
         differ_full += trimmed.item(i) != 7.0 || full.item(i) != 7.0;
         continue;
       }
@@ -387,35 +411,33 @@ TEST(GroupedGemmGpu, WgradLastKBlockTrimmedEqualsEveryMma) {
 // on both schedules; an empty expert keeps its old gradient.
 TEST(GroupedGemmGpu, AccumulatingWgradAddsToTheOldGradient) {
   EPX_REQUIRE_GROUPED();
-  const int64_t K = 136, N = 264;
-  const Layout L = make_layout({300, 0, 1, 130, 16, 0, 9}, 16);
-  const int G = static_cast<int>(L.rows.size(0));
-  Tensor x = randn({L.total, K}, DType::kBF16, 21), dy = randn({L.total, N}, DType::kBF16, 22);
+  const WgradProblem p(136, 264, make_layout({300, 0, 1, 130, 16, 0, 9}, 16), 21);
+  const int64_t K = p.K, N = p.N;
+  const int G = p.G;
+  const cuda::GroupedOperand &a = p.a, &d = p.d;
+  const int32_t *o = p.o, *r = p.r;
   const Tensor old = randn({G, K, N}, DType::kF32, 23);
-  Tensor xg = to_gpu(x), dyg = to_gpu(dy), off = to_gpu(L.offsets), rows = to_gpu(L.rows);
   Tensor fresh = to_gpu(Tensor::zeros({G, K, N}, DType::kF32));
-  grouped_gemm_wgrad(xg, dyg, off, rows, fresh);
+  grouped_gemm_wgrad(p.xg, p.dyg, p.off, p.rows, fresh);
   const Tensor fh = to_host(fresh), oh = old;
   Tensor want = Tensor::empty({G, K, N}, DType::kF32);
   for (int64_t i = 0; i < want.numel(); ++i) want.ptr<float>()[i] = oh.ptr<float>()[i] + fh.ptr<float>()[i];
   for (const char* schedule : {"cooperative", "pingpong"}) {  // EPX_WGRAD_KERNEL is read once: the cuda:: entry points
     Tensor acc = to_gpu(old);
-    const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
     if (std::string(schedule) == "cooperative")
-      cuda::grouped_wgrad_bf16(a, d, acc.ptr<float>(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {}, 1.0f);
+      cuda::grouped_wgrad_bf16(a, d, acc.ptr<float>(), K * N, K, N, o, r, G, {}, 1.0f);
     else
-      cuda::grouped_wgrad_bf16_pingpong(a, d, acc.ptr<float>(), K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G,
-                                        {}, 1.0f);
+      cuda::grouped_wgrad_bf16_pingpong(a, d, acc.ptr<float>(), K * N, K, N, o, r, G, {}, 1.0f);
     EXPECT_TRUE(testing::bit_equal(to_host(acc), want)) << schedule << ": old + gradient";
   }
   Tensor pub = to_gpu(old);
-  grouped_gemm_wgrad(xg, dyg, off, rows, pub, /*accumulate=*/true);
+  grouped_gemm_wgrad(p.xg, p.dyg, p.off, p.rows, pub, /*accumulate=*/true);
   const Tensor ph = to_host(pub);
   EXPECT_TRUE(testing::bit_equal(ph, want)) << "grouped_gemm_wgrad with accumulate";
   for (int64_t i = K * N; i < 2 * K * N; ++i) ASSERT_EQ(ph.item(i), oh.item(i)) << "an empty expert keeps its gradient";
   // and the reference agrees within the GEMM's rounding
   Tensor ref = old.to(Device::cpu());
-  grouped_gemm_wgrad(x, dy, L.offsets, L.rows, ref, true);
+  grouped_gemm_wgrad(p.x, p.dy, p.L.offsets, p.L.rows, ref, true);
   EXPECT_LT(rel_err(pub, ref), 1e-2);
 
   // bf16 gradients (MlpConfig::accumulate_in_weight_dtype): the epilogue forms old + gradient in
@@ -428,13 +450,11 @@ TEST(GroupedGemmGpu, AccumulatingWgradAddsToTheOldGradient) {
                       static_cast<double>(static_cast<float>(old16.item(i)) + fh.ptr<float>()[i]));
   for (const char* schedule : {"cooperative", "pingpong"}) {
     Tensor acc = to_gpu(old16);
-    const cuda::GroupedOperand a{xg.data(), K, 0}, d{dyg.data(), N, 0};
     void* out = acc.data();
     if (std::string(schedule) == "cooperative")
-      cuda::grouped_wgrad_bf16_out(a, d, out, K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {}, 1.0f);
+      cuda::grouped_wgrad_bf16_out(a, d, out, K * N, K, N, o, r, G, {}, 1.0f);
     else
-      cuda::grouped_wgrad_bf16_out_pingpong(a, d, out, K * N, K, N, off.ptr<int32_t>(), rows.ptr<int32_t>(), G, {},
-                                            1.0f);
+      cuda::grouped_wgrad_bf16_out_pingpong(a, d, out, K * N, K, N, o, r, G, {}, 1.0f);
     const Tensor h16 = to_host(acc);
     EXPECT_TRUE(testing::bit_equal(h16, want16)) << schedule << ": bf16 old + gradient, rounded once";
     for (int64_t i = K * N; i < 2 * K * N; ++i)
