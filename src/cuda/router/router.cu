@@ -206,13 +206,13 @@ template <int V, class LT, int TPW>
 void launch_fast(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (sf) {
     case rk::kScoreSoftmax:
-      rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmax, TPW><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmax, TPW>, grid, 0, s, p);
       break;
     case rk::kScoreSoftmaxAfterTopk:
-      rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmaxAfterTopk, TPW><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmaxAfterTopk, TPW>, grid, 0, s, p);
       break;
     default:
-      rk::route_forward_fast_kernel<V, LT, rk::kScoreSigmoid, TPW><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_fast_kernel<V, LT, rk::kScoreSigmoid, TPW>, grid, 0, s, p);
       break;
   }
   EPX_CHECK_LAUNCH("route_forward_fast_kernel");
@@ -222,13 +222,13 @@ template <int V, class LT>
 void launch_legacy(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (sf) {
     case rk::kScoreSoftmax:
-      rk::route_forward_kernel<V, LT, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_kernel<V, LT, rk::kScoreSoftmax>, grid, 0, s, p);
       break;
     case rk::kScoreSoftmaxAfterTopk:
-      rk::route_forward_kernel<V, LT, rk::kScoreSoftmaxAfterTopk><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_kernel<V, LT, rk::kScoreSoftmaxAfterTopk>, grid, 0, s, p);
       break;
     default:
-      rk::route_forward_kernel<V, LT, rk::kScoreSigmoid><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_kernel<V, LT, rk::kScoreSigmoid>, grid, 0, s, p);
       break;
   }
   EPX_CHECK_LAUNCH("route_forward_kernel");
@@ -279,11 +279,11 @@ void launch_forward_v(int V, int sf, int grid, cudaStream_t s, const rk::FwdPara
 template <class LT>
 void launch_backward_v(int V, int grid, cudaStream_t s, const rk::BwdParams& p) {
   switch (V) {
-    case 1: rk::route_backward_kernel<1, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
-    case 2: rk::route_backward_kernel<2, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
-    case 4: rk::route_backward_kernel<4, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
-    case 8: rk::route_backward_kernel<8, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
-    default: rk::route_backward_kernel<16, LT><<<grid, rk::kThreads, 0, s>>>(p); break;
+    case 1: rk::launch_router_kernel(rk::route_backward_kernel<1, LT>, grid, 0, s, p); break;
+    case 2: rk::launch_router_kernel(rk::route_backward_kernel<2, LT>, grid, 0, s, p); break;
+    case 4: rk::launch_router_kernel(rk::route_backward_kernel<4, LT>, grid, 0, s, p); break;
+    case 8: rk::launch_router_kernel(rk::route_backward_kernel<8, LT>, grid, 0, s, p); break;
+    default: rk::launch_router_kernel(rk::route_backward_kernel<16, LT>, grid, 0, s, p); break;
   }
   EPX_CHECK_LAUNCH("route_backward_kernel");
 }

@@ -42,6 +42,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dtype_cuda.cuh"
 
 namespace epx::cuda::router_kernels {
@@ -509,6 +510,10 @@ struct FwdBounds {
 
 template <int V, class LT, int SF>
 __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forward_kernel(const __grid_constant__ FwdParams p) {
+  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
+  // the next grid may be scheduled as soon as every block of this one has started.
+  wait_for_previous_grid();
+  allow_next_grid();
   static_assert(V == 1 || V == 2 || V == 4 || V == 8 || V == 16, "V must be a power of two <= 16");
   constexpr int IB = 5 + (V == 1 ? 0 : V == 2 ? 1 : V == 4 ? 2 : V == 8 ? 3 : 4);
   constexpr uint32_t IM = (1u << IB) - 1u;  // every expert index e < 32 * V fits in IB bits
@@ -823,6 +828,10 @@ struct BwdBounds {
 
 template <int V, class LT>
 __global__ void __launch_bounds__(kThreads, BwdBounds<V>::kMinBlocks) route_backward_kernel(const __grid_constant__ BwdParams p) {
+  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
+  // the next grid may be scheduled as soon as every block of this one has started.
+  wait_for_previous_grid();
+  allow_next_grid();
   __shared__ __align__(16) float s_g[kWarps][32 * V];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int E = p.E, K = p.K, sf = p.sf;
@@ -1167,6 +1176,13 @@ __global__ void __launch_bounds__(1024) update_expert_bias_kernel(float* bias, c
     const float sign = diff > 0 ? 1.0f : diff < 0 ? -1.0f : 0.0f;
     bias[e] = bias[e] + rate * sign;
   }
+}
+
+// Launches a router kernel of kThreads threads behind the stream's previous grid (dependent_launch.cuh:
+// scheduled as that grid's blocks leave; the kernel waits for it before touching memory).
+template <class Params>
+void launch_router_kernel(void (*kernel)(Params), int grid, size_t smem, cudaStream_t s, const Params& p) {
+  launch_after_previous("router kernel", kernel, dim3(grid), dim3(kThreads), smem, s, p);
 }
 
 }  // namespace epx::cuda::router_kernels

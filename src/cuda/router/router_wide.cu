@@ -12,13 +12,13 @@ template <int NV>
 void launch_nv(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (sf) {
     case rk::kScoreSoftmax:
-      rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmax><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmax>, grid, 0, s, p);
       break;
     case rk::kScoreSoftmaxAfterTopk:
-      rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmaxAfterTopk><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmaxAfterTopk>, grid, 0, s, p);
       break;
     default:
-      rk::route_forward_wide_kernel<NV, float, rk::kScoreSigmoid><<<grid, rk::kThreads, 0, s>>>(p);
+      rk::launch_router_kernel(rk::route_forward_wide_kernel<NV, float, rk::kScoreSigmoid>, grid, 0, s, p);
       break;
   }
   EPX_CHECK_LAUNCH("route_forward_wide_kernel");
