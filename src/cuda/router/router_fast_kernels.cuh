@@ -621,10 +621,7 @@ __device__ __forceinline__ FastTokenSetup<TPW> fast_token_setup(const FwdParams&
 template <int V, class LT, int SF, int TPW>
 __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     route_forward_fast_kernel(const __grid_constant__ FwdParams p) {
-  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
-  // the next grid may be scheduled as soon as every block of this one has started.
-  wait_for_previous_grid();
-  allow_next_grid();
+  begin_after_previous_grid();
   static_assert(V == 1 || V == 2 || V == 4 || V == 8 || V == 16, "V must be a power of two <= 16");
   static_assert(TPW == 1 || (TPW == 2 && V >= 2), "two tokens per warp pair the legacy lanes");
   constexpr int LPT = 32 / TPW;  // lanes per token

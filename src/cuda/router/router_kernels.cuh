@@ -47,6 +47,14 @@
 
 namespace epx::cuda::router_kernels {
 
+// Every router kernel's first statement: it is launched behind the previous grid (launch_router_kernel
+// below), so nothing is read before that grid completes, and the next grid may be scheduled as soon as
+// every block of this one has started.
+__device__ __forceinline__ void begin_after_previous_grid() {
+  wait_for_previous_grid();
+  allow_next_grid();
+}
+
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
@@ -510,10 +518,7 @@ struct FwdBounds {
 
 template <int V, class LT, int SF>
 __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forward_kernel(const __grid_constant__ FwdParams p) {
-  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
-  // the next grid may be scheduled as soon as every block of this one has started.
-  wait_for_previous_grid();
-  allow_next_grid();
+  begin_after_previous_grid();
   static_assert(V == 1 || V == 2 || V == 4 || V == 8 || V == 16, "V must be a power of two <= 16");
   constexpr int IB = 5 + (V == 1 ? 0 : V == 2 ? 1 : V == 4 ? 2 : V == 8 ? 3 : 4);
   constexpr uint32_t IM = (1u << IB) - 1u;  // every expert index e < 32 * V fits in IB bits
@@ -828,10 +833,7 @@ struct BwdBounds {
 
 template <int V, class LT>
 __global__ void __launch_bounds__(kThreads, BwdBounds<V>::kMinBlocks) route_backward_kernel(const __grid_constant__ BwdParams p) {
-  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
-  // the next grid may be scheduled as soon as every block of this one has started.
-  wait_for_previous_grid();
-  allow_next_grid();
+  begin_after_previous_grid();
   __shared__ __align__(16) float s_g[kWarps][32 * V];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int E = p.E, K = p.K, sf = p.sf;

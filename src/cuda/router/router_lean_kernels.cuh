@@ -143,10 +143,7 @@ __device__ __forceinline__ void lean_exact_token(const FwdParams& p, int lane, i
 template <int V, int SF, int D, bool kBias, bool kGroups>
 __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     route_forward_lean_kernel(const __grid_constant__ FwdParams p) {
-  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
-  // the next grid may be scheduled as soon as every block of this one has started.
-  wait_for_previous_grid();
-  allow_next_grid();
+  begin_after_previous_grid();
   static_assert(V == 4 || V == 8 || V == 16, "E must be 128, 256 or 512");
   static_assert(D == 3 || D == 4, "caches of 3 or 4 keys");
   constexpr int E = 32 * V;

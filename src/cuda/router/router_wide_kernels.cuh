@@ -244,10 +244,7 @@ __device__ __forceinline__ void wide_group_mask(uint32_t (&ek)[NV], const FwdPar
 // E == 16 NV, K <= 16, rows 16-byte aligned, and G == 1 or (E / G) % 32 == 0 with G <= 8.
 template <int NV, class LT, int SF>
 __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_kernel(const __grid_constant__ FwdParams p) {
-  // Launched after the previous grid (launch_after_previous): nothing is read before it completes, and
-  // the next grid may be scheduled as soon as every block of this one has started.
-  wait_for_previous_grid();
-  allow_next_grid();
+  begin_after_previous_grid();
   static_assert(NV == 4 || NV == 8 || NV == 16, "E must be 64, 128 or 256");
   constexpr int E = 16 * NV;
   constexpr int IB = NV == 4 ? 6 : NV == 8 ? 7 : 8;
