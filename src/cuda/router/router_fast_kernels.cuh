@@ -621,7 +621,7 @@ __device__ __forceinline__ FastTokenSetup<TPW> fast_token_setup(const FwdParams&
 template <int V, class LT, int SF, int TPW>
 __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     route_forward_fast_kernel(const __grid_constant__ FwdParams p) {
-  begin_after_previous_grid();
+  begin_forward_after_previous_grid(p);
   static_assert(V == 1 || V == 2 || V == 4 || V == 8 || V == 16, "V must be a power of two <= 16");
   static_assert(TPW == 1 || (TPW == 2 && V >= 2), "two tokens per warp pair the legacy lanes");
   constexpr int LPT = 32 / TPW;  // lanes per token
@@ -692,6 +692,7 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
       s_wcnt[stream] = w_cnt;
     }
     __syncthreads();
+    allow_next_grid_before_stats(p);
     commit_chunk_stats<kRows>(p, s, jc, &s_red[0][0], EP, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n, want_prob,
                        want_scal, merged);
     __syncthreads();  // s_red and s_flag are reused by the next chunk

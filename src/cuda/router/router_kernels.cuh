@@ -48,12 +48,15 @@
 namespace epx::cuda::router_kernels {
 
 // Every router kernel's first statement: it is launched behind the previous grid (launch_router_kernel
-// below), so nothing is read before that grid completes, and the next grid may be scheduled as soon as
-// every block of this one has started.
-__device__ __forceinline__ void begin_after_previous_grid() {
+// below), so nothing is read before that grid completes. With trigger_now the next grid may be
+// scheduled as soon as every block of this one has started; the forward kernels may instead trigger
+// before their statistics tail (FwdParams::trigger, EPX_ROUTER_TRIGGER), where the next grid's waiting
+// blocks no longer sit beside a long token loop.
+__device__ __forceinline__ void begin_after_previous_grid(bool trigger_now = true) {
   wait_for_previous_grid();
-  allow_next_grid();
+  if (trigger_now) allow_next_grid();
 }
+
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = 8;
@@ -100,7 +103,19 @@ struct FwdParams {
   // kMaxExperts (zero between launches), rep replicas per sequence (>= 1).
   unsigned long long* acc;
   int rep;
+  int trigger;  // a RouterTrigger
 };
+
+// Where a forward kernel lets the stream's next grid be scheduled (EPX_ROUTER_TRIGGER): as its blocks
+// start, before a chunk's statistics are committed, or only as its blocks exit.
+enum RouterTrigger : int { kTriggerAtStart = 0, kTriggerBeforeStats = 1, kTriggerAtExit = 2 };
+
+__device__ __forceinline__ void begin_forward_after_previous_grid(const FwdParams& p) {
+  begin_after_previous_grid(p.trigger == kTriggerAtStart);
+}
+__device__ __forceinline__ void allow_next_grid_before_stats(const FwdParams& p) {
+  if (p.trigger == kTriggerBeforeStats) allow_next_grid();
+}
 
 struct BwdParams {
   const void* logits;
@@ -518,7 +533,7 @@ struct FwdBounds {
 
 template <int V, class LT, int SF>
 __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forward_kernel(const __grid_constant__ FwdParams p) {
-  begin_after_previous_grid();
+  begin_forward_after_previous_grid(p);
   static_assert(V == 1 || V == 2 || V == 4 || V == 8 || V == 16, "V must be a power of two <= 16");
   constexpr int IB = 5 + (V == 1 ? 0 : V == 2 ? 1 : V == 4 ? 2 : V == 8 ? 3 : 4);
   constexpr uint32_t IM = (1u << IB) - 1u;  // every expert index e < 32 * V fits in IB bits

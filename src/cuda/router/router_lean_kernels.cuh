@@ -143,7 +143,7 @@ __device__ __forceinline__ void lean_exact_token(const FwdParams& p, int lane, i
 template <int V, int SF, int D, bool kBias, bool kGroups>
 __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     route_forward_lean_kernel(const __grid_constant__ FwdParams p) {
-  begin_after_previous_grid();
+  begin_forward_after_previous_grid(p);
   static_assert(V == 4 || V == 8 || V == 16, "E must be 128, 256 or 512");
   static_assert(D == 3 || D == 4, "caches of 3 or 4 keys");
   constexpr int E = 32 * V;
@@ -443,6 +443,7 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
       s_wcnt[warp] += w_cnt;
     }
     __syncthreads();
+    allow_next_grid_before_stats(p);
     commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
                                want_prob, want_scal, merged);
     __syncthreads();  // s_red, s_wlse and s_flag are reused by the next chunk

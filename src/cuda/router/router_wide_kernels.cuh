@@ -244,7 +244,7 @@ __device__ __forceinline__ void wide_group_mask(uint32_t (&ek)[NV], const FwdPar
 // E == 16 NV, K <= 16, rows 16-byte aligned, and G == 1 or (E / G) % 32 == 0 with G <= 8.
 template <int NV, class LT, int SF>
 __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_kernel(const __grid_constant__ FwdParams p) {
-  begin_after_previous_grid();
+  begin_forward_after_previous_grid(p);
   static_assert(NV == 4 || NV == 8 || NV == 16, "E must be 64, 128 or 256");
   constexpr int E = 16 * NV;
   constexpr int IB = NV == 4 ? 6 : NV == 8 ? 7 : 8;
@@ -481,6 +481,7 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
       s_wcnt[stream] = w_cnt;
     }
     __syncthreads();
+    allow_next_grid_before_stats(p);
     commit_chunk_stats<kWideStreams>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
                                      want_prob, want_scal, merged);
     __syncthreads();  // s_red and s_flag are reused by the next chunk
