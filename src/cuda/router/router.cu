@@ -1,4 +1,4 @@
-// Launchers of the CUDA router (kernels and their invariants: router_kernels.cuh).
+// Launchers of the CUDA router (what the kernels share and their invariants: router_device.cuh).
 //
 // Chunking of route_forward's statistics. With Ct = max(8, ceil(T / kMaxChunks)) and L the tokens
 // per sequence (T in global mode, seq_len in sequence mode) -- for the wide kernel kMaxChunks is
@@ -28,8 +28,10 @@
 
 #include "core/env_choice.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/router/router_aux_kernels.cuh"
+#include "cuda/router/router_backward_kernels.cuh"
 #include "cuda/router/router_fast_kernels.cuh"
-#include "cuda/router/router_kernels.cuh"
+#include "cuda/router/router_legacy_kernels.cuh"
 #include "cuda/router/router_lean.h"
 #include "cuda/router/router_wide.h"
 #include "epx/error.h"
@@ -41,7 +43,7 @@ namespace rk = router_kernels;
 
 static_assert(kRouterMaxExperts == rk::kMaxExperts && kRouterMaxTopk == rk::kMaxTopk &&
                   kRouterMaxGroups == rk::kMaxGroups,
-              "router.h and router_kernels.cuh disagree on the limits");
+              "router.h and router_device.cuh disagree on the limits");
 static_assert(kRouterStatusBadExpertId == rk::kStatusBadId && kRouterStatusRepeatedExpertId == rk::kStatusRepeatedId,
               "status bits disagree");
 

@@ -1,5 +1,5 @@
 // route_forward, the fast kernel (the default; EPX_ROUTER_KERNEL=fast1 forces one token per warp,
-// EPX_ROUTER_KERNEL=legacy selects route_forward_kernel of router_kernels.cuh, whose notes on keys
+// EPX_ROUTER_KERNEL=legacy selects route_forward_kernel of router_legacy_kernels.cuh, whose notes on keys
 // and the top-k apply here unchanged). Per token it computes exactly what the legacy kernel
 // computes -- same expressions, same summation orders, same selection -- so topk_idx and
 // topk_weights are the same bits; it issues far fewer instructions and waits less:
@@ -39,7 +39,7 @@
 // and last-block sum (in global mode under the same ticket as prob_sum).
 #pragma once
 
-#include "cuda/router/router_kernels.cuh"
+#include "cuda/router/router_device.cuh"
 
 namespace epx::cuda::router_kernels {
 

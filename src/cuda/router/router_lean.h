@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/router/router_kernels.cuh"
+#include "cuda/router/router_device.cuh"
 
 namespace epx::cuda {
 
