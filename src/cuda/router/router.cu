@@ -217,34 +217,18 @@ rk::FwdParams shape_params(const RouterConfig& c, const TensorRef& logits) {
 
 template <int V, class LT, int TPW>
 void launch_fast(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
-  switch (sf) {
-    case rk::kScoreSoftmax:
-      rk::launch_router_kernel(rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmax, TPW>, grid, 0, s, p);
-      break;
-    case rk::kScoreSoftmaxAfterTopk:
-      rk::launch_router_kernel(rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmaxAfterTopk, TPW>, grid, 0, s, p);
-      break;
-    default:
-      rk::launch_router_kernel(rk::route_forward_fast_kernel<V, LT, rk::kScoreSigmoid, TPW>, grid, 0, s, p);
-      break;
-  }
-  EPX_CHECK_LAUNCH("route_forward_fast_kernel");
+  void (*kernel)(rk::FwdParams) = rk::route_forward_fast_kernel<V, LT, rk::kScoreSigmoid, TPW>;
+  if (sf == rk::kScoreSoftmax) kernel = rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmax, TPW>;
+  if (sf == rk::kScoreSoftmaxAfterTopk) kernel = rk::route_forward_fast_kernel<V, LT, rk::kScoreSoftmaxAfterTopk, TPW>;
+  rk::launch_router_kernel("launch of route_forward_fast_kernel", kernel, grid, 0, s, p);
 }
 
 template <int V, class LT>
 void launch_legacy(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
-  switch (sf) {
-    case rk::kScoreSoftmax:
-      rk::launch_router_kernel(rk::route_forward_kernel<V, LT, rk::kScoreSoftmax>, grid, 0, s, p);
-      break;
-    case rk::kScoreSoftmaxAfterTopk:
-      rk::launch_router_kernel(rk::route_forward_kernel<V, LT, rk::kScoreSoftmaxAfterTopk>, grid, 0, s, p);
-      break;
-    default:
-      rk::launch_router_kernel(rk::route_forward_kernel<V, LT, rk::kScoreSigmoid>, grid, 0, s, p);
-      break;
-  }
-  EPX_CHECK_LAUNCH("route_forward_kernel");
+  void (*kernel)(rk::FwdParams) = rk::route_forward_kernel<V, LT, rk::kScoreSigmoid>;
+  if (sf == rk::kScoreSoftmax) kernel = rk::route_forward_kernel<V, LT, rk::kScoreSoftmax>;
+  if (sf == rk::kScoreSoftmaxAfterTopk) kernel = rk::route_forward_kernel<V, LT, rk::kScoreSoftmaxAfterTopk>;
+  rk::launch_router_kernel("launch of route_forward_kernel", kernel, grid, 0, s, p);
 }
 
 // Two tokens per warp (a half-warp each) where the shape allows it: at most 256 experts (16 per
@@ -291,14 +275,12 @@ void launch_forward_v(int V, int sf, int grid, cudaStream_t s, const rk::FwdPara
 
 template <class LT>
 void launch_backward_v(int V, int grid, cudaStream_t s, const rk::BwdParams& p) {
-  switch (V) {
-    case 1: rk::launch_router_kernel(rk::route_backward_kernel<1, LT>, grid, 0, s, p); break;
-    case 2: rk::launch_router_kernel(rk::route_backward_kernel<2, LT>, grid, 0, s, p); break;
-    case 4: rk::launch_router_kernel(rk::route_backward_kernel<4, LT>, grid, 0, s, p); break;
-    case 8: rk::launch_router_kernel(rk::route_backward_kernel<8, LT>, grid, 0, s, p); break;
-    default: rk::launch_router_kernel(rk::route_backward_kernel<16, LT>, grid, 0, s, p); break;
-  }
-  EPX_CHECK_LAUNCH("route_backward_kernel");
+  void (*kernel)(rk::BwdParams) = rk::route_backward_kernel<16, LT>;
+  if (V == 1) kernel = rk::route_backward_kernel<1, LT>;
+  if (V == 2) kernel = rk::route_backward_kernel<2, LT>;
+  if (V == 4) kernel = rk::route_backward_kernel<4, LT>;
+  if (V == 8) kernel = rk::route_backward_kernel<8, LT>;
+  rk::launch_router_kernel("launch of route_backward_kernel", kernel, grid, 0, s, p);
 }
 
 }  // namespace

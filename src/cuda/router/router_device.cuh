@@ -544,9 +544,11 @@ __device__ __forceinline__ void prob_tree(const FwdParams& p, int64_t s, int64_t
 
 // Launches a router kernel of kThreads threads behind the stream's previous grid (dependent_launch.cuh:
 // scheduled as that grid's blocks leave; the kernel waits for it before touching memory).
+// A failed launch throws epx::Error naming `what` ("launch of <kernel>").
 template <class Params>
-void launch_router_kernel(void (*kernel)(Params), int grid, size_t smem, cudaStream_t s, const Params& p) {
-  launch_after_previous("router kernel", kernel, dim3(grid), dim3(kThreads), smem, s, p);
+void launch_router_kernel(const char* what, void (*kernel)(Params), int grid, size_t smem, cudaStream_t s,
+                          const Params& p) {
+  launch_after_previous(what, kernel, dim3(grid), dim3(kThreads), smem, s, p);
 }
 
 }  // namespace epx::cuda::router_kernels

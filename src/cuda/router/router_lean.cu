@@ -17,8 +17,7 @@ void launch_one(int grid, cudaStream_t s, const rk::FwdParams& p) {
   // per device, not a stream operation: fine under graph capture). E <= 256 stays under it.
   if constexpr (V >= 16)
     EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  rk::launch_router_kernel(kernel, grid, smem, s, p);
-  EPX_CHECK_LAUNCH("route_forward_lean_kernel");
+  rk::launch_router_kernel("launch of route_forward_lean_kernel", kernel, grid, smem, s, p);
 }
 
 template <int V, int SF, int D>

@@ -1,6 +1,5 @@
 #include "cuda/router/router_wide.h"
 
-#include "cuda/common/cuda_check.h"
 #include "cuda/router/router_wide_kernels.cuh"
 
 namespace epx::cuda {
@@ -10,18 +9,10 @@ namespace rk = router_kernels;
 
 template <int NV>
 void launch_nv(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
-  switch (sf) {
-    case rk::kScoreSoftmax:
-      rk::launch_router_kernel(rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmax>, grid, 0, s, p);
-      break;
-    case rk::kScoreSoftmaxAfterTopk:
-      rk::launch_router_kernel(rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmaxAfterTopk>, grid, 0, s, p);
-      break;
-    default:
-      rk::launch_router_kernel(rk::route_forward_wide_kernel<NV, float, rk::kScoreSigmoid>, grid, 0, s, p);
-      break;
-  }
-  EPX_CHECK_LAUNCH("route_forward_wide_kernel");
+  void (*kernel)(rk::FwdParams) = rk::route_forward_wide_kernel<NV, float, rk::kScoreSigmoid>;
+  if (sf == rk::kScoreSoftmax) kernel = rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmax>;
+  if (sf == rk::kScoreSoftmaxAfterTopk) kernel = rk::route_forward_wide_kernel<NV, float, rk::kScoreSoftmaxAfterTopk>;
+  rk::launch_router_kernel("launch of route_forward_wide_kernel", kernel, grid, 0, s, p);
 }
 
 }  // namespace
