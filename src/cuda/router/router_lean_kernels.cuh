@@ -222,15 +222,17 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     unsigned w_cnt = 0;
 
     // The fast path over windows of 64 tokens; a window's slow tokens (a bit each) go through the
-    // exact code after it.
+    // exact code after it. A row is computed through to its picks without branching on whether it is
+    // fast (a slow row's values are never written): the branches cost more than the rare slow row's
+    // wasted work (H200: 4-6% of softmax top-8, level at DeepSeek-V3).
     for (int j0 = 0; j0 < n; j0 += 64) {
       const int jn = min(n, j0 + 64);
       uint64_t slow_tokens = 0;
       for (int j = j0; j < jn; ++j) {  // warp-uniform
-        const int64_t t = t0 + kWarps * j;
         if (j + R - 1 < n) {
-          float* dst = ring + ((j + R - 1) % R) * E + e0;
-          const float* src = logits + (t + kWarps * (R - 1)) * E + e0;
+          const int jr = j + R - 1;
+          float* dst = ring + (jr % R) * E + e0;
+          const float* src = logits + (t0 + static_cast<int64_t>(kWarps) * jr) * E + e0;
 #pragma unroll
           for (int k = 0; k < NQ; ++k) lean_copy16(dst + 4 * k, src + 4 * k);
         }
@@ -241,11 +243,11 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
         float x[V];
 #pragma unroll
         for (int k = 0; k < NQ; ++k) {
-          const float4 q = reinterpret_cast<const float4*>(x_row + e0)[k];
-          x[4 * k] = q.x;
-          x[4 * k + 1] = q.y;
-          x[4 * k + 2] = q.z;
-          x[4 * k + 3] = q.w;
+          const float4 v = reinterpret_cast<const float4*>(x_row + e0)[k];
+          x[4 * k] = v.x;
+          x[4 * k + 1] = v.y;
+          x[4 * k + 2] = v.z;
+          x[4 * k + 3] = v.w;
         }
 
         // Exponentials and the row's sums; sigmoid keeps its scores sv, softmax its u (p = u / S).
@@ -265,168 +267,167 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
           SS = ss[0] + ss[1];
           token_sum2(TokenLanes<1>(lane), S, 0.0f, SS, 0.0f);  // one butterfly for both sums
           fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
-        } else {
-          if (need_exp) {
-            float su[2];
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-              u[i] = lean_exp(x[i]);
-              su[i & 1] = i < 2 ? u[i] : su[i & 1] + u[i];
-            }
-            S = warp_sum(su[0] + su[1]);
-            fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
-          } else {  // softmax after top-k without statistics: the logits only need to be finite
-            float ax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < V; ++i) ax += fabsf(x[i]);
-            fast = fast && __all_sync(kFull, ax <= FLT_MAX);
-          }
-        }
-
-        bool slow = !fast;
-        if (!slow) {
-          // 1 / S (softmax p and the statistics) or 1 / the sum of the sigmoid scores; normal here.
-          const float inv = SF == kScoreSigmoid ? rcp_rn_normal(SS) : (need_exp ? rcp_rn_normal(S) : 0.0f);
-          // Element i's score (softmax probability or sigmoid) and, once, its selection value: softmax
-          // without a bias or groups ranks u itself (p = u / S for one S per row), the others the
-          // score plus the bias, or the logit plus the bias after top-k.
-          auto score_of = [&](int i) -> float {
-            if constexpr (SF == kScoreSigmoid)
-              return sv[i];
-            else
-              return u[i] * inv;
-          };
-          float sel[V];
+        } else if (need_exp) {
+          float su[2];
 #pragma unroll
           for (int i = 0; i < V; ++i) {
-            if constexpr (SF == kScoreSoftmaxAfterTopk)
-              sel[i] = __fadd_rn(__fadd_rn(x[i], s_bias[e0 + i]), 0.0f);  // -0 -> +0: the reference ties them
-            else if constexpr (kBias)
-              sel[i] = __fadd_rn(score_of(i), s_bias[e0 + i]);
-            else
-              sel[i] = kRankU ? u[i] : score_of(i);
+            u[i] = lean_exp(x[i]);
+            su[i & 1] = i < 2 ? u[i] : su[i & 1] + u[i];
           }
-          auto key_of = [&](int i) -> uint32_t {
-            return lean_composite<V>(kPositive ? __float_as_uint(sel[i]) : order_key2(sel[i]), packs, e0, i);
-          };
-          // Each lane's D best composites; dth, the D-th, bounds what a refill would look at.
-          uint32_t cache[D];
+          S = warp_sum(su[0] + su[1]);
+          fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
+        } else {  // softmax after top-k without statistics: the logits only need to be finite
+          float ax = 0.0f;
 #pragma unroll
-          for (int k = 0; k < D; ++k) cache[k] = 0u;
-#pragma unroll
-          for (int i = 0; i < V; ++i) lean_insert<D>(cache, key_of(i));
-          const uint32_t dth = cache[D - 1];
+          for (int i = 0; i < V; ++i) ax += fabsf(x[i]);
+          fast = fast && __all_sync(kFull, ax <= FLT_MAX);
+        }
+        bool slow = !fast;
 
-          // Groups: the lane's top-2 selection values, merged over the group's lanes; the group
-          // score is their sum (every expert is eligible here, and a group has >= V >= 4 of them).
-          bool kept = true;
-          if constexpr (kGroups) {
-            float t1 = -CUDART_INF_F, t2 = -CUDART_INF_F;
+        // 1 / S (softmax p and the statistics) or 1 / the sum of the sigmoid scores; normal where the
+        // row is fast.
+        const float inv = SF == kScoreSigmoid ? rcp_rn_normal(SS) : (need_exp ? rcp_rn_normal(S) : 0.0f);
+        // Element i's score (softmax probability or sigmoid) and, once, its selection value: softmax
+        // without a bias or groups ranks u itself (p = u / S for one S per row), the others the score
+        // plus the bias, or the logit plus the bias after top-k.
+        auto score_of = [&](int i) -> float {
+          if constexpr (SF == kScoreSigmoid)
+            return sv[i];
+          else
+            return u[i] * inv;
+        };
+        auto sel_of = [&](int i) -> float {
+          if constexpr (SF == kScoreSoftmaxAfterTopk)
+            return __fadd_rn(__fadd_rn(x[i], s_bias[e0 + i]), 0.0f);  // -0 -> +0: the reference ties them
+          else if constexpr (kBias)
+            return __fadd_rn(score_of(i), s_bias[e0 + i]);
+          else
+            return kRankU ? u[i] : score_of(i);
+        };
+        auto key_of = [&](int i) -> uint32_t {
+          const float v = sel_of(i);
+          return lean_composite<V>(kPositive ? __float_as_uint(v) : order_key2(v), packs, e0, i);
+        };
+        // Each lane's D best composites; dth, the D-th, bounds what a refill would look at.
+        uint32_t cache[D];
 #pragma unroll
-            for (int i = 0; i < V; ++i) {
-              t2 = fmaxf(t2, fminf(t1, sel[i]));
-              t1 = fmaxf(t1, sel[i]);
-            }
-            for (int off = 1; off < lpg; off <<= 1) {
-              const float b1 = __shfl_xor_sync(kFull, t1, off), b2 = __shfl_xor_sync(kFull, t2, off);
-              t2 = fmaxf(fminf(t1, b1), fmaxf(t2, b2));
-              t1 = fmaxf(t1, b1);
-            }
-            // (score key, 15 - group): a larger composite is a higher score, then a lower group. The
-            // lanes of a group hold the same composite, so a round takes whole groups.
-            uint32_t gk = (order_key2(__fadd_rn(t1, t2)) & ~15u) | (15u - my_group);
-            uint32_t gl = 0;
-            kept = false;
-            for (int r = 0; r < p.group_topk; ++r) {
-              gl = __reduce_max_sync(kFull, gk);
-              const bool won = gk == gl;
-              kept = kept || won;
-              gk = won ? 0u : gk;
-            }
-            const uint32_t gn = __reduce_max_sync(kFull, gk);
-            slow = gn != 0u && (gn >> 4) == (gl >> 4);  // the kept/dropped boundary could hang on dropped bits
-            if (!kept) {
+        for (int k = 0; k < D; ++k) cache[k] = 0u;
 #pragma unroll
-              for (int k = 0; k < D; ++k) cache[k] = 0u;
-            }
+        for (int i = 0; i < V; ++i) lean_insert<D>(cache, key_of(i));
+        const uint32_t dth = cache[D - 1];
+
+        // Groups: the lane's top-2 selection values, merged over the group's lanes; the group score
+        // is their sum (every expert is eligible here, and a group has >= V >= 4 of them).
+        bool kept = true;
+        if constexpr (kGroups) {
+          float t1 = -CUDART_INF_F, t2 = -CUDART_INF_F;
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            const float v = sel_of(i);
+            t2 = fmaxf(t2, fminf(t1, v));
+            t1 = fmaxf(t1, v);
           }
-
-          // kRounds >= K + 1 rounds: pick r is the warp's max head; its lane moves on to its next key.
-          // Pick K only tells whether pick K - 1 is certain; picks past it are not used. Lane 0 files
-          // the picks, lane r then reads pick r (and r + 1).
-          uint32_t* picks = &s_picks[warp][0];
-#pragma unroll
-          for (int r = 0; r < kRounds; ++r) {
-            const uint32_t m = __reduce_max_sync(kFull, cache[0]);
-            if (lane == 0) picks[r] = m;
-            if (r == kRounds - 1) break;  // the last pick's lane need not move on
-            const bool won = cache[0] == m;
-#pragma unroll
-            for (int k = 0; k + 1 < D; ++k) cache[k] = won ? cache[k + 1] : cache[k];
-            cache[D - 1] = won ? 0u : cache[D - 1];
+          for (int off = 1; off < lpg; off <<= 1) {
+            const float b1 = __shfl_xor_sync(kFull, t1, off), b2 = __shfl_xor_sync(kFull, t2, off);
+            t2 = fmaxf(fminf(t1, b1), fmaxf(t2, b2));
+            t1 = fmaxf(t1, b1);
           }
-          __syncwarp();
-          const uint32_t slot = lane < kRounds ? picks[lane] : 0u;
-          const uint32_t after = lane + 1 < kRounds ? picks[lane + 1] : 0u;
-          const uint32_t last = picks[K];
-          bool doubt = lane < K && slot != 0u && (slot >> IBK) == (after >> IBK);
-          // A lane that gave away its D keys had its next one left out of the later rounds: harmless
-          // unless that key beats the last pick. Rare (some lane holds D of the top K + 1: ~5% of
-          // random rows at E = 256, K = 8, D = 3), so the next key is looked for only then.
-          if constexpr (V > D) {
-            const bool emptied = kept && cache[0] == 0u;
-            if (__any_sync(kFull, emptied)) {
-              uint32_t next = 0;
-#pragma unroll
-              for (int i = 0; i < V; ++i) {
-                const uint32_t k = key_of(i);
-                next = k < dth ? max(next, k) : next;
-              }
-              doubt = doubt || (emptied && next > last);
-            }
+          // (score key, 15 - group): a larger composite is a higher score, then a lower group. The
+          // lanes of a group hold the same composite, so a round takes whole groups.
+          uint32_t gk = (order_key2(__fadd_rn(t1, t2)) & ~15u) | (15u - my_group);
+          uint32_t gl = 0;
+          kept = false;
+          for (int r = 0; r < p.group_topk; ++r) {
+            gl = __reduce_max_sync(kFull, gk);
+            const bool won = gk == gl;
+            kept = kept || won;
+            gk = won ? 0u : gk;
           }
-          slow = slow || __any_sync(kFull, doubt);
-
-          if (!slow) {
-            // Weights: the slot lanes recompute their expert's score from its staged logit with the
-            // functions that scored it, so an unnormalised weight is exactly the score that selected it.
-            const bool used = lane < K && slot != 0u;
-            const int id = used ? static_cast<int>(IMK - (slot & IMK)) : -1;
-            const float xs = used ? x_row[id] : 0.0f;
-            float q = 0.0f;
-            if constexpr (SF == kScoreSoftmax) {
-              q = used ? lean_exp(xs) * inv : 0.0f;
-            } else if constexpr (SF == kScoreSigmoid) {
-              q = used ? lean_sigmoid(lean_exp(xs)) : 0.0f;
-            } else {  // softmax over the selected logits (the slots are lanes 0..15)
-              const float m2 = half_max(used ? xs : -CUDART_INF_F);
-              const float ex = used ? ex2_approx((xs - m2) * kLog2e) : 0.0f;
-              const float s2 = half_sum(ex);  // >= 1 where a slot is used: the max contributes 1
-              q = used ? ex * rcp_rn_normal(s2) : 0.0f;
-            }
-            const float Q = half_sum(q);
-            const bool divide = p.normalize && Q > 0.0f;
-            const float wgt = p.scale * (divide ? q * rcp_approx(Q) : q);  // Q in (0, 16]
-            if (lane < K) store_slot(p, t * K + lane, id, used ? wgt : 0.0f);
-
-            if (want_prob) {
+          const uint32_t gn = __reduce_max_sync(kFull, gk);
+          slow = slow || (gn != 0u && (gn >> 4) == (gl >> 4));  // the kept/dropped boundary could hang on dropped bits
+          if (!kept) {
 #pragma unroll
-              for (int k = 0; k < NQ; ++k) {
-                float4& a = reinterpret_cast<float4*>(red + e0)[k];
-                const float4 o = a;
-                const float sc = SF == kScoreSigmoid ? inv : 1.0f;  // sigmoid: s / sum s
-                a = make_float4(o.x + score_of(4 * k) * sc, o.y + score_of(4 * k + 1) * sc,
-                                o.z + score_of(4 * k + 2) * sc, o.w + score_of(4 * k + 3) * sc);
-              }
-            }
-            if (want_scal) {
-              const float lse = lg2_approx(S) * kLn2;
-              w_lse += lse * lse;
-              ++w_cnt;
-            }
+            for (int k = 0; k < D; ++k) cache[k] = 0u;
           }
         }
-        if (slow) slow_tokens |= 1ull << (j - j0);
+
+        // kRounds >= K + 1 rounds: pick r is the warp's max head; its lane moves on to its next key.
+        // Pick K only tells whether pick K - 1 is certain; picks past it are not used. Lane 0 files
+        // the picks, lane r then reads pick r (and r + 1).
+        uint32_t* picks = &s_picks[warp][0];
+#pragma unroll
+        for (int r = 0; r < kRounds; ++r) {
+          const uint32_t m = __reduce_max_sync(kFull, cache[0]);
+          if (lane == 0) picks[r] = m;
+          if (r == kRounds - 1) break;  // the last pick's lane need not move on
+          const bool won = cache[0] == m;
+#pragma unroll
+          for (int k = 0; k + 1 < D; ++k) cache[k] = won ? cache[k + 1] : cache[k];
+          cache[D - 1] = won ? 0u : cache[D - 1];
+        }
+        __syncwarp();
+        const uint32_t slot = lane < kRounds ? picks[lane] : 0u;
+        const uint32_t after = lane + 1 < kRounds ? picks[lane + 1] : 0u;
+        const uint32_t last = picks[K];
+        bool doubt = lane < K && slot != 0u && (slot >> IBK) == (after >> IBK);
+        // A lane that gave away its D keys had its next one left out of the later rounds: harmless
+        // unless that key beats the last pick. Rare (some lane holds D of the top K + 1: ~5% of
+        // random rows at E = 256, K = 8, D = 3), so the next key is looked for only then.
+        if constexpr (V > D) {
+          const bool emptied = kept && cache[0] == 0u;
+          if (__any_sync(kFull, emptied)) {
+            uint32_t next = 0;
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+              const uint32_t k = key_of(i);
+              next = k < dth ? max(next, k) : next;
+            }
+            doubt = doubt || (emptied && next > last);
+          }
+        }
+        slow = slow || __any_sync(kFull, doubt);
+
+        if (slow) {
+          slow_tokens |= 1ull << (j - j0);
+        } else {
+          const int64_t t = t0 + static_cast<int64_t>(kWarps) * j;
+          // Weights: the slot lanes recompute their expert's score from its staged logit with the
+          // functions that scored it, so an unnormalised weight is exactly the score that selected it.
+          const bool used = lane < K && slot != 0u;
+          const int id = used ? static_cast<int>(IMK - (slot & IMK)) : -1;
+          const float xs = used ? x_row[id] : 0.0f;
+          float w = 0.0f;
+          if constexpr (SF == kScoreSoftmax) {
+            w = used ? lean_exp(xs) * inv : 0.0f;
+          } else if constexpr (SF == kScoreSigmoid) {
+            w = used ? lean_sigmoid(lean_exp(xs)) : 0.0f;
+          } else {  // softmax over the selected logits (the slots are lanes 0..15)
+            const float m2 = half_max(used ? xs : -CUDART_INF_F);
+            const float ex = used ? ex2_approx((xs - m2) * kLog2e) : 0.0f;
+            const float s2 = half_sum(ex);  // >= 1 where a slot is used: the max contributes 1
+            w = used ? ex * rcp_rn_normal(s2) : 0.0f;
+          }
+          const float W = half_sum(w);
+          const bool divide = p.normalize && W > 0.0f;
+          const float wgt = p.scale * (divide ? w * rcp_approx(W) : w);  // W in (0, 16]
+          if (lane < K) store_slot(p, t * K + lane, id, used ? wgt : 0.0f);
+
+          if (want_prob) {
+#pragma unroll
+            for (int k = 0; k < NQ; ++k) {
+              float4& a = reinterpret_cast<float4*>(red + e0)[k];
+              const float4 o = a;
+              const float sc = SF == kScoreSigmoid ? inv : 1.0f;  // sigmoid: s / sum s
+              a = make_float4(o.x + score_of(4 * k) * sc, o.y + score_of(4 * k + 1) * sc,
+                              o.z + score_of(4 * k + 2) * sc, o.w + score_of(4 * k + 3) * sc);
+            }
+          }
+          if (want_scal) {
+            const float lse = lg2_approx(S) * kLn2;
+            w_lse += lse * lse;
+            ++w_cnt;
+          }
+        }
         __syncwarp();  // every lane is done with this row before a later copy overwrites its slot
       }
       while (slow_tokens != 0) {
