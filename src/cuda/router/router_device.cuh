@@ -1,8 +1,8 @@
 // Device pieces every router kernel shares (router_legacy_kernels.cuh, router_backward_kernels.cuh,
 // router_fast_kernels.cuh, router_wide_kernels.cuh, router_lean_kernels.cuh): the launch behind the
 // previous grid, the limits and kernel parameters, row loads and stores, butterflies, selection keys, the
-// legacy layout's group selection and exact top-k (the other kernels' exact fallback), and the
-// statistics tree.
+// legacy layout's group selection, a token's lanes and its exact top-k (the other kernels' exact
+// fallback), and the statistics tree.
 //
 // Selection keys. The selection score s_e (+ bias) becomes a 32-bit key whose unsigned order is the
 // float order (order_key); NaN ranks as -inf and -0 as +0, exactly the comparisons the reference's
@@ -429,10 +429,36 @@ __device__ __forceinline__ void legacy_group_mask(uint32_t (&ek)[V], const FwdPa
   for (int j = 0; j < V; ++j) ek[j] = ((j < jb) ? ka : kb) ? ek[j] : 0u;
 }
 
-// Exact top-k over the keys (0 = not a candidate): K rounds of (max key, then lowest lane, then
-// lowest slot), the reference's stable order. Returns slot `lane`'s expert (-1 when none is left).
-template <int V>
-__device__ __forceinline__ int exact_topk(const uint32_t (&ek)[V], int K, int lane) {
+// The lanes of one token: all 32 (TPW = 1) or one half-warp (TPW = 2; the half-warp masks are the
+// ones cooperative_groups uses for its 16-thread tiles, including for redux).
+template <int TPW>
+struct TokenLanes {
+  static constexpr int kLanes = 32 / TPW;
+  unsigned mask;
+  int base;  // first lane of this token's lanes
+  int hl;    // lane within them
+  __device__ __forceinline__ explicit TokenLanes(int lane) {
+    if constexpr (TPW == 1) {
+      mask = kFull;
+      base = 0;
+      hl = lane;
+    } else {
+      base = lane & 16;
+      mask = 0xffffu << base;
+      hl = lane & 15;
+    }
+  }
+  __device__ __forceinline__ uint32_t max(uint32_t v) const { return __reduce_max_sync(mask, v); }
+  __device__ __forceinline__ unsigned add(unsigned v) const { return __reduce_add_sync(mask, v); }
+  __device__ __forceinline__ bool any(bool p) const { return __any_sync(mask, p); }
+  __device__ __forceinline__ unsigned ballot(bool p) const { return (__ballot_sync(mask, p) & mask) >> base; }
+};
+
+// Exact top-k over the keys (0 = not a candidate) of one token's lanes: K rounds of (max key, then
+// lowest lane, then lowest slot), the reference's stable order. Returns slot tl.hl's expert (-1 when
+// none is left).
+template <int V, int TPW>
+__device__ __forceinline__ int exact_topk(const TokenLanes<TPW>& tl, const uint32_t (&ek)[V], int K) {
   uint32_t taken = 0;
   int id = -1;
   for (int r = 0; r < K; ++r) {
@@ -446,12 +472,12 @@ __device__ __forceinline__ int exact_topk(const uint32_t (&ek)[V], int K, int la
         bj = j;
       }
     }
-    const uint32_t m = __reduce_max_sync(kFull, bk);
+    const uint32_t m = tl.max(bk);
     if (m == 0u) break;
-    const int w = __ffs(__ballot_sync(kFull, bk == m)) - 1;
-    const int jw = __shfl_sync(kFull, bj, w);
-    if (lane == w) taken |= 1u << jw;
-    if (lane == r) id = w * V + jw;
+    const int w = __ffs(tl.ballot(bk == m)) - 1;
+    const int jw = __shfl_sync(tl.mask, bj, tl.base + w);
+    if (tl.hl == w) taken |= 1u << jw;
+    if (tl.hl == r) id = w * V + jw;
   }
   return id;
 }

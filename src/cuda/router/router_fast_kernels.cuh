@@ -64,31 +64,6 @@ __device__ __forceinline__ float rcp_rn_normal(float d) {
   return __fmaf_rn(r, -e, r);
 }
 
-// The lanes of one token: all 32 (TPW = 1) or one half-warp (TPW = 2; the half-warp masks are the
-// ones cooperative_groups uses for its 16-thread tiles, including for redux).
-template <int TPW>
-struct TokenLanes {
-  static constexpr int kLanes = 32 / TPW;
-  unsigned mask;
-  int base;  // first lane of this token's lanes
-  int hl;    // lane within them
-  __device__ __forceinline__ explicit TokenLanes(int lane) {
-    if constexpr (TPW == 1) {
-      mask = kFull;
-      base = 0;
-      hl = lane;
-    } else {
-      base = lane & 16;
-      mask = 0xffffu << base;
-      hl = lane & 15;
-    }
-  }
-  __device__ __forceinline__ uint32_t max(uint32_t v) const { return __reduce_max_sync(mask, v); }
-  __device__ __forceinline__ unsigned add(unsigned v) const { return __reduce_add_sync(mask, v); }
-  __device__ __forceinline__ bool any(bool p) const { return __any_sync(mask, p); }
-  __device__ __forceinline__ unsigned ballot(bool p) const { return (__ballot_sync(mask, p) & mask) >> base; }
-};
-
 // The warp sum of the legacy kernel (one lane per V/TPW consecutive experts, sequential sums, then a
 // butterfly over 32 lanes) reproduced bit for bit: with two tokens per warp a lane holds the
 // partial sums a, b of two legacy lanes (2 hl and 2 hl + 1), the legacy steps xor 16, 8, 4, 2 are
@@ -150,32 +125,6 @@ __device__ __forceinline__ float slots_sum(const TokenLanes<TPW>& tl, float v) {
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(tl.mask, v, o);
   return v;
-}
-
-// exact_topk over the token's lanes: K rounds of (max key, lowest lane, lowest slot).
-template <int V, int TPW>
-__device__ __forceinline__ int exact_topk_t(const TokenLanes<TPW>& tl, const uint32_t (&ek)[V], int K) {
-  uint32_t taken = 0;
-  int id = -1;
-  for (int r = 0; r < K; ++r) {
-    uint32_t bk = 0;
-    int bj = 0;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const uint32_t k = ((taken >> j) & 1u) ? 0u : ek[j];
-      if (k > bk) {
-        bk = k;
-        bj = j;
-      }
-    }
-    const uint32_t m = tl.max(bk);
-    if (m == 0u) break;
-    const int w = __ffs(tl.ballot(bk == m)) - 1;
-    const int jw = __shfl_sync(tl.mask, bj, tl.base + w);
-    if (tl.hl == w) taken |= 1u << jw;
-    if (tl.hl == r) id = w * V + jw;
-  }
-  return id;
 }
 
 template <int V>
@@ -555,7 +504,7 @@ __device__ __forceinline__ void fast_route_token(const FwdParams& p, const FastT
     if (!tl.any(collide || exhausted))
       id = slot > IM ? static_cast<int>(IM - (slot & IM)) : -1;
     else
-      id = exact_topk_t<V, TPW>(tl, ek, K);
+      id = exact_topk<V, TPW>(tl, ek, K);
 
     // Weights from the selected logits, recomputed by the slot lanes.
     const bool used = hl < K && id >= 0;

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
         if (!__any_sync(kFull, collide || exhausted))
           id = slot > IM ? static_cast<int>(IM - (slot & IM)) : -1;
         else
-          id = exact_topk<V>(ek, K, lane);
+          id = exact_topk<V, 1>(TokenLanes<1>(lane), ek, K);
 
         // Weights from the selected logits, recomputed by the slot lanes.
         const bool used = lane < K && id >= 0;
