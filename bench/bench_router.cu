@@ -10,6 +10,10 @@
 // "us" times a CUDA graph of one call per rotated input (launch gaps removed), "us_stream" the
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
+// Options select forward cases (for a profiler, or a quick A/B): --case NAME (e.g. softmax_top8),
+// --dtype fp32|bf16, --stats 0|1|2, --kernel lean|wide|fast|fast1|legacy. With any of them given, only
+// the matching route_forward lines run (no backward, no small ops).
+//
 // route_forward is timed with each kernel, so one GPU run can choose on evidence (the default,
 // "auto", picks lean or wide from these lines): "wide" = two tokens per warp with fast exponentials,
 // where the shape allows, else fast1; "lean" = one token per warp, no max subtraction, fp32 logits
@@ -46,6 +50,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -227,9 +232,55 @@ void bench_small_ops(const Case& k, double hbm) {
   report("router_losses", k, los, static_cast<double>(in.prob.nbytes() + in.counts.nbytes() + 16), hbm);
 }
 
+// The forward cases a run is limited to (empty: every case).
+struct Filter {
+  std::string name, dtype, kernel;
+  int stats = -1;
+  bool any() const { return !name.empty() || !dtype.empty() || !kernel.empty() || stats >= 0; }
+  bool keeps(const Case& k, epx::cuda::RouterKernel kern) const {
+    return (name.empty() || name == k.name) && (dtype.empty() || dtype == epx::dtype_name(k.dt)) &&
+           (stats < 0 || stats == k.stats) && (kernel.empty() || kernel == epx::cuda::router_kernel_name(kern));
+  }
+};
+
+// Parses the options above; false (after a message naming the option) on anything else.
+bool parse_filter(int argc, char** argv, Filter& f) {
+  for (int i = 1; i < argc; i += 2) {
+    const char* opt = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "bench_router: option %s needs a value\n", opt);
+      return false;
+    }
+    const std::string v = argv[i + 1];
+    if (!std::strcmp(opt, "--case")) {
+      f.name = v;
+    } else if (!std::strcmp(opt, "--dtype")) {
+      if (v != "fp32" && v != "bf16") {
+        std::fprintf(stderr, "bench_router: --dtype must be fp32 or bf16, got \"%s\"\n", v.c_str());
+        return false;
+      }
+      f.dtype = v;
+    } else if (!std::strcmp(opt, "--stats")) {
+      if (v != "0" && v != "1" && v != "2") {
+        std::fprintf(stderr, "bench_router: --stats must be 0, 1 or 2, got \"%s\"\n", v.c_str());
+        return false;
+      }
+      f.stats = v[0] - '0';
+    } else if (!std::strcmp(opt, "--kernel")) {
+      f.kernel = v;
+    } else {
+      std::fprintf(stderr, "bench_router: unknown option \"%s\" (--case, --dtype, --stats, --kernel)\n", opt);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  Filter filter;
+  if (!parse_filter(argc, argv, filter)) return 2;
   try {
     epx::bench::BenchDevice dev;
     if (!epx::bench::open_bench_device("router", dev)) return 0;
@@ -307,9 +358,11 @@ int main() {
         const TensorRef shape(nullptr, k.dt, {k.T, k.E}, Device::cuda(0));
         if (kern == epx::cuda::RouterKernel::kLean && !epx::cuda::lean_router_serves(config_of(k), shape))
           continue;
+        if (!filter.keeps(k, kern)) continue;
         bench_forward(k, hbm, kern);
       }
     epx::cuda::set_router_kernel(initial);
+    if (filter.any()) return 0;
 
     for (const Case& base : {softmax, ds})
       for (DType dt : {DType::kF32, DType::kBF16}) {

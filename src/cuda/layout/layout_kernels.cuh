@@ -55,6 +55,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/block_ticket.cuh"
 #include "cuda/common/dependent_launch.cuh"
 
 namespace epx::cuda::layout {
@@ -346,9 +347,8 @@ __device__ __forceinline__ unsigned long long load_relaxed_gpu(const unsigned lo
 __device__ __forceinline__ void store_release_gpu(unsigned long long* a, unsigned long long v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
-// fence.acq_rel, not the fence.sc of __threadfence(): only the flag's release/acquire pairing is
-// needed, and the sequentially consistent fence costs more on the critical path.
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// fence_acq_rel_gpu (block_ticket.cuh), not the fence.sc of __threadfence(): only the flag's
+// release/acquire pairing is needed, and the sequentially consistent fence costs more on the critical path.
 
 // Publishes this block's aggregates (written before the call by any thread of the block): the
 // barrier orders every thread's writes before thread 0's release store of the flag, which makes

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/block_ticket.cuh"
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dtype_cuda.cuh"
 
@@ -540,31 +541,11 @@ __device__ __forceinline__ void prob_tree(const FwdParams& p, int64_t s, int64_t
   const int64_t gi = j / kFanIn, j0 = gi * kFanIn;
   const int64_t gid = s * ngroups + gi;
   const int nchild = static_cast<int>(min(static_cast<int64_t>(kFanIn), p.bps - j0));
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned ticket = atomicAdd(p.cnt1 + gid, 1u);
-    const int last = ticket == static_cast<unsigned>(nchild - 1);
-    if (last) p.cnt1[gid] = 0u;  // every child has arrived: ready for the next launch
-    *s_flag = last;
-  }
-  __syncthreads();
-  if (!*s_flag) return;
-  __threadfence();
+  if (!arrive_last(p.cnt1 + gid, static_cast<unsigned>(nchild), *s_flag)) return;
   float* dst1 = ngroups == 1 ? p.prob_sum + s * E : p.rows1 + gid * kMaxExperts;
   sum_rows(p.rows0, s * p.bps + j0, nchild, E, dst1);
   if (ngroups == 1) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned ticket = atomicAdd(p.cnt2 + s, 1u);
-    const int last = ticket == static_cast<unsigned>(ngroups - 1);
-    if (last) p.cnt2[s] = 0u;
-    *s_flag = last;
-  }
-  __syncthreads();
-  if (!*s_flag) return;
-  __threadfence();
+  if (!arrive_last(p.cnt2 + s, static_cast<unsigned>(ngroups), *s_flag)) return;
   sum_rows(p.rows1, s * ngroups, static_cast<int>(ngroups), E, p.prob_sum + s * E);
 }
 

@@ -231,17 +231,7 @@ __device__ __forceinline__ void commit_chunk_stats(const FwdParams& p, int64_t s
     p.leaf_lse[blockIdx.x] = blk_lse;
     p.leaf_cnt[blockIdx.x] = blk_cnt;
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    const unsigned ticket = atomicAdd(p.cnt1 + s, 1u);
-    const int last = ticket == static_cast<unsigned>(p.bps - 1);
-    if (last) p.cnt1[s] = 0u;  // every chunk of the sequence has arrived: ready for the next launch
-    flag = last;
-  }
-  __syncthreads();
-  if (!flag) return;
-  __threadfence();
+  if (!arrive_last(p.cnt1 + s, static_cast<unsigned>(p.bps), flag)) return;
   const ScalarLeaves leaves = merged ? load_scalar_leaves(p) : ScalarLeaves{};
   unsigned long long* first = p.acc + s * rep * kMaxExperts;
   for (int e = tid; e < E; e += kThreads) {
@@ -267,17 +257,8 @@ __device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* 
   if (threadIdx.x == 0) {
     p.leaf_lse[blockIdx.x] = blk_lse;
     p.leaf_cnt[blockIdx.x] = blk_cnt;
-    __threadfence();
-    const unsigned ticket = atomicAdd(p.scal_ticket, 1u);
-    const int last = ticket == gridDim.x - 1;
-    if (last) *p.scal_ticket = 0u;
-    flag = last;
   }
-  __syncthreads();
-  if (flag) {
-    __threadfence();
-    finish_scalars(p, load_scalar_leaves(p), red, s_n);
-  }
+  if (arrive_last(p.scal_ticket, gridDim.x, flag)) finish_scalars(p, load_scalar_leaves(p), red, s_n);
 }
 
 // The per-token work of the fast kernels: route one token held in x (this lane's experts e0 .. e0 + V

@@ -143,7 +143,6 @@ __device__ __forceinline__ void lean_exact_token(const FwdParams& p, int lane, i
 template <int V, int SF, int D, bool kBias, bool kGroups>
 __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     route_forward_lean_kernel(const __grid_constant__ FwdParams p) {
-  begin_forward_after_previous_grid(p);
   static_assert(V == 4 || V == 8 || V == 16, "E must be 128, 256 or 512");
   static_assert(D == 3 || D == 4, "caches of 3 or 4 keys");
   constexpr int E = 32 * V;
@@ -169,6 +168,9 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
   __shared__ unsigned long long s_blk_cnt;
   __shared__ int s_flag;
 
+  // What needs neither global memory nor the previous grid comes before the wait for that grid, so
+  // that it overlaps the previous grid's last blocks: the block's indices, the first chunk's span and
+  // the zeroed shared-memory accumulators.
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int e0 = V * lane;
   const int K = p.K;
@@ -177,26 +179,38 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
   const float* logits = static_cast<const float*>(p.logits);
   float* ring = s_rows + warp * R * E;  // this warp's staged rows
   float* red = &s_red[warp][0];         // this warp's prob_sum row of the chunk
-
-  stage_bias(s_bias, p, E);
-  if (tid == 0) {
-    s_blk_lse = 0.0f;
-    s_blk_cnt = 0;
-  }
-  __syncthreads();
-  bool bias_finite = true;
-#pragma unroll
-  for (int i = 0; i < V; ++i) bias_finite = bias_finite && isfinite(s_bias[e0 + i]);
-  const bool bias_ok = __all_sync(kFull, bias_finite);  // NaN was staged as -inf
   uint32_t packs[NQ];
 #pragma unroll
   for (int k = 0; k < NQ; ++k) packs[k] = lean_rank_pack(e0, k);
   const int lpg = kGroups ? p.per / V : 32;  // lanes per group; group g = lanes [g lpg, (g + 1) lpg)
   const uint32_t my_group = kGroups ? static_cast<uint32_t>(lane / lpg) : 0u;
   const bool merged = stats_merged(p, want_prob, want_scal);
+  ChunkSpan span = chunk_span(p, blockIdx.x);
+  // A warp's accumulators of the chunk: zeroed here for the first chunk, after each commit for the next.
+  auto zero_warp_stats = [&] {
+#pragma unroll
+    for (int k = 0; k < NQ; ++k) reinterpret_cast<float4*>(red + e0)[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lane == 0) {
+      s_wlse[warp] = 0.0f;
+      s_wcnt[warp] = 0;
+    }
+  };
+  zero_warp_stats();
+  if (tid == 0) {
+    s_blk_lse = 0.0f;
+    s_blk_cnt = 0;
+  }
+
+  begin_forward_after_previous_grid(p);
+  stage_bias(s_bias, p, E);
+  __syncthreads();
+  bool bias_finite = true;
+#pragma unroll
+  for (int i = 0; i < V; ++i) bias_finite = bias_finite && isfinite(s_bias[e0 + i]);
+  const bool bias_ok = __all_sync(kFull, bias_finite);  // NaN was staged as -inf
 
   for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
-    const ChunkSpan span = chunk_span(p, c);
+    if (c != blockIdx.x) span = chunk_span(p, c);
     const int64_t s = span.s, jc = span.jc, t_begin = span.begin, t_end = span.end;
 
     // The warp's tokens t_begin + warp + kWarps j; the first R - 1 rows go in flight at once (a
@@ -211,12 +225,6 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
           lean_copy16(ring + j * E + e0 + 4 * k, logits + (t0 + kWarps * j) * E + e0 + 4 * k);
       }
       lean_commit();
-    }
-#pragma unroll
-    for (int k = 0; k < NQ; ++k) reinterpret_cast<float4*>(red + e0)[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lane == 0) {
-      s_wlse[warp] = 0.0f;
-      s_wcnt[warp] = 0;
     }
     float w_lse = 0.0f;
     unsigned w_cnt = 0;
@@ -448,6 +456,7 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
                                want_prob, want_scal, merged);
     __syncthreads();  // s_red, s_wlse and s_flag are reused by the next chunk
+    zero_warp_stats();
   }
   lean_wait<0>();  // nothing is left in flight (the groups past the end were empty)
   finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);

@@ -283,15 +283,8 @@ __global__ void __launch_bounds__(kThreads, FwdBounds<V>::kMinBlocks) route_forw
     if (tid == 0) {
       p.leaf_lse[blockIdx.x] = s_blk_lse;
       p.leaf_cnt[blockIdx.x] = s_blk_cnt;
-      __threadfence();
-      const unsigned ticket = atomicAdd(p.scal_ticket, 1u);
-      const int last = ticket == gridDim.x - 1;
-      if (last) *p.scal_ticket = 0u;
-      s_flag = last;
     }
-    __syncthreads();
-    if (s_flag) {
-      __threadfence();
+    if (arrive_last(p.scal_ticket, gridDim.x, s_flag)) {
       float v = 0.0f;
       unsigned long long n = 0;
       for (unsigned b = tid; b < gridDim.x; b += kThreads) {
