@@ -11,8 +11,9 @@
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
 // Options select forward cases (for a profiler, or a quick A/B): --case NAME (e.g. softmax_top8),
-// --dtype fp32|bf16, --stats 0|1|2, --kernel lean|wide|fast|fast1|legacy. With any of them given, only
-// the matching route_forward lines run (no backward, no small ops).
+// --dtype fp32|bf16, --stats 0|1|2, --kernel lean|wide|fast|fast1|legacy, --rows random|separated. With
+// any of them given, only the matching route_forward lines run (no backward, no small ops). "separated"
+// rows (host_separated) leave the kernels' exact fallback nothing to do; the line says "rows".
 //
 // route_forward is timed with each kernel, so one GPU run can choose on evidence (the default,
 // "auto", picks lean or wide from these lines): "wide" = two tokens per warp with fast exponentials,
@@ -85,6 +86,7 @@ struct Case {
   int stats = 1;  // 0: none, 1: global aux + z, 2: sequence aux (seq_len 4096) + z
   int64_t T = 16384;
   double target_us = 0;  // 0: no target
+  bool separated = false;  // rows whose top 16 sit in distinct lanes, well apart (see host_separated)
 };
 
 RouterConfig config_of(const Case& k) {
@@ -127,6 +129,31 @@ Tensor host_random(epx::Shape shape, DType dt, uint64_t seed, double lo, double 
   return h;
 }
 
+// Logits [T, E] whose 16 largest values per row sit in 16 distinct lanes of the one-token-per-warp
+// layout (lane l holds experts [E / 32 l, E / 32 (l + 1))), 0.1 apart from 4.0 down, over normal(0, 1)
+// values clipped below 2 (with a zero expert bias): rows that no fast kernel sends to its exact
+// fallback (no near ties, no lane holding more than one of the top picks), to time the kernels
+// without the fallback's rows.
+Tensor host_separated(int64_t T, int E, DType dt, uint64_t seed) {
+  Tensor h = Tensor::empty({T, E}, dt);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int V = std::max(1, E / 32), lanes = E / V;
+  std::vector<float> v(static_cast<size_t>(E));
+  std::vector<int> order(static_cast<size_t>(lanes));
+  for (int64_t t = 0; t < T; ++t) {
+    for (float& x : v) x = std::min(nd(rng), 1.9f);
+    for (int l = 0; l < lanes; ++l) order[static_cast<size_t>(l)] = l;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int k = 0; k < std::min(16, lanes); ++k) {
+      const int e = order[static_cast<size_t>(k)] * V + static_cast<int>(rng() % static_cast<uint64_t>(V));
+      v[static_cast<size_t>(e)] = 4.0f - 0.1f * static_cast<float>(k);
+    }
+    epx::store_row(h.data(), dt, t * E, E, v.data());
+  }
+  return h;
+}
+
 // Times fn(i) for i over the rotation: as a graph of one call per input, and call by call.
 struct Timing {
   double graph_us, stream_us;
@@ -160,6 +187,7 @@ void report(const char* op, const Case& k, const Timing& tm, double bytes, doubl
   j.add("dtype", epx::dtype_name(k.dt)).add("T", static_cast<long long>(k.T)).add("E", k.E).add("K", k.K);
   j.add("groups", k.G).add("group_topk", k.gk).add("bias", k.bias).add("normalize", k.normalize);
   j.add("scale", static_cast<double>(k.scale)).add("stats", stats_name(k.stats));
+  j.add("rows", k.separated ? "separated" : "random");
   j.add("us", tm.graph_us).add("us_stream", tm.stream_us).add("bytes", bytes).add("gbps", gbps);
   j.add("hbm_gbps", hbm / 1e9).add("hbm_fraction", gbps * 1e9 / hbm);
   if (k.target_us > 0) j.add("target_us", k.target_us).add("meets_target", tm.graph_us <= k.target_us);
@@ -177,11 +205,13 @@ Inputs make_inputs(const Case& k, uint64_t seed) {
   Inputs in;
   in.c = config_of(k);
   const Device dev = Device::cuda(0);
-  const Tensor h = host_random({k.T, k.E}, k.dt, seed, 0, 0, true);
+  const Tensor h = k.separated ? host_separated(k.T, k.E, k.dt, seed) : host_random({k.T, k.E}, k.dt, seed, 0, 0, true);
   // Capped: a decode-sized input would need hundreds of copies; it is latency-bound anyway.
   const int nrot = std::min(epx::bench::rotation_for(h.nbytes()), 64);
   for (int i = 0; i < nrot; ++i) in.logits.push_back(to_device(h, dev));
-  if (k.bias) in.bias = to_device(host_random({k.E}, DType::kF32, seed + 1, -0.05, 0.05, false), dev);
+  // Separated rows keep a zero bias: a random one of +-0.05 would bring the sigmoid scores near 1 to near ties.
+  const double bias_span = k.separated ? 0.0 : 0.05;
+  if (k.bias) in.bias = to_device(host_random({k.E}, DType::kF32, seed + 1, -bias_span, bias_span, false), dev);
   const int64_t S = k.stats == 2 ? k.T / 4096 : 1;
   in.idx = Tensor::empty({k.T, k.K}, DType::kI32, dev);
   in.w = Tensor::empty({k.T, k.K}, DType::kF32, dev);
@@ -234,11 +264,12 @@ void bench_small_ops(const Case& k, double hbm) {
 
 // The forward cases a run is limited to (empty: every case).
 struct Filter {
-  std::string name, dtype, kernel;
+  std::string name, dtype, kernel, rows;
   int stats = -1;
-  bool any() const { return !name.empty() || !dtype.empty() || !kernel.empty() || stats >= 0; }
+  bool any() const { return !name.empty() || !dtype.empty() || !kernel.empty() || !rows.empty() || stats >= 0; }
   bool keeps(const Case& k, epx::cuda::RouterKernel kern) const {
     return (name.empty() || name == k.name) && (dtype.empty() || dtype == epx::dtype_name(k.dt)) &&
+           (rows.empty() || rows == (k.separated ? "separated" : "random")) &&
            (stats < 0 || stats == k.stats) && (kernel.empty() || kernel == epx::cuda::router_kernel_name(kern));
   }
 };
@@ -268,8 +299,14 @@ bool parse_filter(int argc, char** argv, Filter& f) {
       f.stats = v[0] - '0';
     } else if (!std::strcmp(opt, "--kernel")) {
       f.kernel = v;
+    } else if (!std::strcmp(opt, "--rows")) {
+      if (v != "random" && v != "separated") {
+        std::fprintf(stderr, "bench_router: --rows must be random or separated, got \"%s\"\n", v.c_str());
+        return false;
+      }
+      f.rows = v;
     } else {
-      std::fprintf(stderr, "bench_router: unknown option \"%s\" (--case, --dtype, --stats, --kernel)\n", opt);
+      std::fprintf(stderr, "bench_router: unknown option \"%s\" (--case, --dtype, --stats, --kernel, --rows)\n", opt);
       return false;
     }
   }
@@ -312,6 +349,12 @@ int main(int argc, char** argv) {
           if (dt != DType::kF32 || st != 1) k.target_us = 0;  // the targets are for fp32 with statistics
           fwd.push_back(k);
         }
+    for (const Case& base : {softmax, ds}) {  // the same rows with none for the exact fallback
+      Case k = base;
+      k.separated = true;
+      k.target_us = 0;
+      fwd.push_back(k);
+    }
     {
       Case k = ds;
       k.stats = 2;

@@ -684,11 +684,12 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
     }
 }
 
-// One batch in which the lean kernel's two paths alternate token by token, so that a chunk's
+// One batch in which the lean kernel's three paths alternate token by token, so that a chunk's
 // statistics join the fast path's and the fallback's: well-separated random rows (fast), rows
-// whose 8 best experts all sit in one lane (a lane's cache runs dry: the rescan, then the
-// fallback), rows of small integers (exact ties: the fallback) and rows with an infinity or NaN
-// (the fallback's non-finite handling). Against the reference, and bit for bit run to run.
+// whose V best experts all sit in one lane (a lane's cache runs dry: the row is routed again with
+// every key of a lane cached), rows of small integers (exact ties: the fallback) and rows with an
+// infinity or NaN (the fallback's non-finite handling). Against the reference, and bit for bit run
+// to run.
 TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
   EPX_REQUIRE_GPU();
   const RouterKernelRestorer restore_kernel;

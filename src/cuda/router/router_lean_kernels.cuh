@@ -18,15 +18,22 @@
 //  - groups (E / G a multiple of V with a power-of-two lanes per group): the lane's top-2 selection
 //    values with fminf/fmaxf, an xor butterfly over the group's lanes, the group score as their sum,
 //    and group_topk + 1 redux rounds over (score key, group) composites.
-// Rows the fast path cannot vouch for go, whole, through fast_route_token (router_fast_kernels.cuh),
-// the fast kernels' exact per-token code: S outside its range (NaN, infinities, extreme logits), a
-// non-finite bias, two consecutive picks whose truncated keys agree (their order could hang on the
-// dropped bits: an exact tie or a near one), two group scores on either side of the kept/dropped
-// boundary that agree on the truncated key, or a lane whose D cached keys were all picked while it
-// held more candidates. Which path a row takes depends on the row alone, so the outputs stay
-// deterministic. Both paths add a routed token's probabilities to the warp's shared-memory row of
-// the chunk, in token order within each 64-token window (the fallback's after the window's fast
-// ones), and its lse^2 and count once, so no token is counted twice.
+// A row where some lane's D cached keys were all picked while its next key could still beat the last
+// pick is routed again after its 64-token window with every key of a lane cached (D = V, the same
+// keys and rounds, so the same picks the reference makes). Rows the fast path cannot vouch for go,
+// whole, through fast_route_token (router_fast_kernels.cuh), the fast kernels' exact per-token code:
+// S outside its range (NaN, infinities, extreme logits), a non-finite bias, picks K - 1 and K with
+// equal truncated keys (which of them is in the top K could hang on the dropped bits: an exact tie
+// or a near one), or two group scores on either side of the kept/dropped boundary that agree on the
+// truncated key. Equal truncated keys inside the top K only order the slots: those rows keep the fast
+// path, and their K slots are sorted again on the full keys (with sigmoid scores near 1 such ties
+// sent ~1.5% of random DeepSeek-V3 rows to the exact code). The exact code costs several fast rows, and the warp that meets one finishes late: with one
+// wave of blocks the busiest SM's slowest warp sets the kernel's time, so the common dry-cache case
+// (~0.2% of random rows at E = 256, K = 8) takes the cheap way (not with groups: see kDeeperPass). Which path a
+// row takes depends on the row alone, so the outputs stay deterministic. Every path adds a routed
+// token's probabilities to the warp's shared-memory row of the chunk, in token order within each
+// 64-token window (the deeper rows after the window's fast ones, then the exact ones), and its lse^2
+// and count once, so no token is counted twice.
 // Rows are staged through a per-warp ring of lean_stages<V>() rows in shared memory (cp.async, the
 // first three in flight at once), so no registers hold a prefetched row and the weights re-read
 // their logits from shared memory.
@@ -36,6 +43,7 @@
 #pragma once
 
 #include <cfloat>
+#include <type_traits>
 
 #include "cuda/router/router_approx_math.cuh"
 #include "cuda/router/router_fast_kernels.cuh"
@@ -46,6 +54,9 @@ template <int V>
 struct LeanBounds {
   static constexpr int kMinBlocks = V >= 16 ? 2 : 3;
 };
+
+// What route_row did with a row.
+enum LeanRowResult : int { kLeanRowDone = 0, kLeanRowDeeper = 1, kLeanRowExact = 2 };
 
 constexpr float kLeanSumMin = 9.313225746154785e-10f;  // 2^-30
 constexpr float kLeanSumMax = 8.507059173023462e37f;    // 2^126
@@ -81,6 +92,22 @@ __device__ __forceinline__ void lean_insert(uint32_t (&c)[D], uint32_t v) {
 #pragma unroll
   for (int k = D - 1; k > 0; --k) c[k] = max(c[k], min(c[k - 1], v));
   c[0] = max(c[0], v);
+}
+
+// Sorts the warp's 64-bit values in descending order across its lanes (lane 0 the largest): a bitonic
+// network of 15 exchange steps. Rare path (picks that tie on their truncated keys), so no registers
+// are spent on fewer steps.
+__device__ __forceinline__ uint64_t lean_sort_desc(uint64_t v, int lane) {
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const uint64_t o = __shfl_xor_sync(kFull, v, j);
+      const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);  // blocks of k alternate direction
+      v = keep_max ? (v > o ? v : o) : (v < o ? v : o);
+    }
+  }
+  return v;
 }
 
 // A lane's 16 bytes of a row, global -> shared, asynchronously (cp.async, L2 only); groups of them
@@ -155,6 +182,10 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
   constexpr bool kPositive = SF != kScoreSoftmaxAfterTopk && !kBias;
   // Softmax without a bias or groups ranks u itself (p = u / S for one S per row).
   constexpr bool kRankU = SF == kScoreSoftmax && !kBias && !kGroups;
+  // Rows with a dry cache are routed again with deeper caches, or, with groups, by the exact code: the
+  // second copy of the row code cost the group kernels spills in their fast loop (H200: DeepSeek-V3
+  // 5% slower), and their slow rows are mostly ties, not dry caches.
+  constexpr bool kDeeperPass = !kGroups;
 
   extern __shared__ __align__(16) float s_rows[];  // [kWarps][R][E]
   __shared__ __align__(16) float s_red[kWarps][E];
@@ -229,13 +260,222 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     float w_lse = 0.0f;
     unsigned w_cnt = 0;
 
+    // Routes one row: t's logits in x (this lane's V), its caches DD keys deep. Writes the row's slots and
+    // statistics and returns kLeanRowDone, or writes nothing and says which path must take the row:
+    // kLeanRowDeeper where a lane's cache ran dry while its next key could still be picked (only deeper
+    // caches are needed: DD = V cannot run dry), kLeanRowExact where the fast path cannot vouch for the
+    // row at all. logit_of(used, id) gives a slot lane the logit of expert id (warp-collective).
+    auto route_row = [&](auto depth, const float (&x)[V], int64_t t, const auto& logit_of) -> int {
+      constexpr int DD = decltype(depth)::value;
+      // Exponentials and the row's sums; sigmoid keeps its scores sv, softmax its u (p = u / S).
+      float u[V], sv[V];
+      float S = 0.0f, SS = 0.0f;
+      bool fast = bias_ok;
+      if constexpr (SF == kScoreSigmoid) {
+        float su[2], ss[2];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          u[i] = lean_exp(x[i]);
+          sv[i] = lean_sigmoid(u[i]);
+          su[i & 1] = i < 2 ? u[i] : su[i & 1] + u[i];
+          ss[i & 1] = i < 2 ? sv[i] : ss[i & 1] + sv[i];
+        }
+        S = su[0] + su[1];
+        SS = ss[0] + ss[1];
+        token_sum2(TokenLanes<1>(lane), S, 0.0f, SS, 0.0f);  // one butterfly for both sums
+        fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
+      } else if (need_exp) {
+        float su[2];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          u[i] = lean_exp(x[i]);
+          su[i & 1] = i < 2 ? u[i] : su[i & 1] + u[i];
+        }
+        S = warp_sum(su[0] + su[1]);
+        fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
+      } else {  // softmax after top-k without statistics: the logits only need to be finite
+        float ax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) ax += fabsf(x[i]);
+        fast = fast && __all_sync(kFull, ax <= FLT_MAX);
+      }
+      bool slow = !fast;
+
+      // 1 / S (softmax p and the statistics) or 1 / the sum of the sigmoid scores; normal where the
+      // row is fast.
+      const float inv = SF == kScoreSigmoid ? rcp_rn_normal(SS) : (need_exp ? rcp_rn_normal(S) : 0.0f);
+      // Element i's score (softmax probability or sigmoid) and, once, its selection value: softmax
+      // without a bias or groups ranks u itself (p = u / S for one S per row), the others the score
+      // plus the bias, or the logit plus the bias after top-k.
+      auto score_of = [&](int i) -> float {
+        if constexpr (SF == kScoreSigmoid)
+          return sv[i];
+        else
+          return u[i] * inv;
+      };
+      auto sel_of = [&](int i) -> float {
+        if constexpr (SF == kScoreSoftmaxAfterTopk)
+          return __fadd_rn(__fadd_rn(x[i], s_bias[e0 + i]), 0.0f);  // -0 -> +0: the reference ties them
+        else if constexpr (kBias)
+          return __fadd_rn(score_of(i), s_bias[e0 + i]);
+        else
+          return kRankU ? u[i] : score_of(i);
+      };
+      auto key_of = [&](int i) -> uint32_t {
+        const float v = sel_of(i);
+        return lean_composite<V>(kPositive ? __float_as_uint(v) : order_key2(v), packs, e0, i);
+      };
+      // Each lane's D best composites; dth, the D-th, bounds what a refill would look at.
+      uint32_t cache[DD];
+#pragma unroll
+      for (int k = 0; k < DD; ++k) cache[k] = 0u;
+#pragma unroll
+      for (int i = 0; i < V; ++i) lean_insert<DD>(cache, key_of(i));
+      const uint32_t dth = cache[DD - 1];
+
+      // Groups: the lane's top-2 selection values, merged over the group's lanes; the group score
+      // is their sum (every expert is eligible here, and a group has >= V >= 4 of them).
+      bool kept = true;
+      if constexpr (kGroups) {
+        float t1 = -CUDART_INF_F, t2 = -CUDART_INF_F;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float v = sel_of(i);
+          t2 = fmaxf(t2, fminf(t1, v));
+          t1 = fmaxf(t1, v);
+        }
+        for (int off = 1; off < lpg; off <<= 1) {
+          const float b1 = __shfl_xor_sync(kFull, t1, off), b2 = __shfl_xor_sync(kFull, t2, off);
+          t2 = fmaxf(fminf(t1, b1), fmaxf(t2, b2));
+          t1 = fmaxf(t1, b1);
+        }
+        // (score key, 15 - group): a larger composite is a higher score, then a lower group. The
+        // lanes of a group hold the same composite, so a round takes whole groups.
+        uint32_t gk = (order_key2(__fadd_rn(t1, t2)) & ~15u) | (15u - my_group);
+        uint32_t gl = 0;
+        kept = false;
+        for (int r = 0; r < p.group_topk; ++r) {
+          gl = __reduce_max_sync(kFull, gk);
+          const bool won = gk == gl;
+          kept = kept || won;
+          gk = won ? 0u : gk;
+        }
+        const uint32_t gn = __reduce_max_sync(kFull, gk);
+        slow = slow || (gn != 0u && (gn >> 4) == (gl >> 4));  // the kept/dropped boundary could hang on dropped bits
+        if (!kept) {
+#pragma unroll
+          for (int k = 0; k < DD; ++k) cache[k] = 0u;
+        }
+      }
+
+      // kRounds >= K + 1 rounds: pick r is the warp's max head; its lane moves on to its next key.
+      // Pick K only tells whether pick K - 1 is certain; picks past it are not used. Lane 0 files
+      // the picks, lane r then reads pick r (and r + 1).
+      uint32_t* picks = &s_picks[warp][0];
+#pragma unroll
+      for (int r = 0; r < kRounds; ++r) {
+        const uint32_t m = __reduce_max_sync(kFull, cache[0]);
+        if (lane == 0) picks[r] = m;
+        if (r == kRounds - 1) break;  // the last pick's lane need not move on
+        const bool won = cache[0] == m;
+#pragma unroll
+        for (int k = 0; k + 1 < DD; ++k) cache[k] = won ? cache[k + 1] : cache[k];
+        cache[DD - 1] = won ? 0u : cache[DD - 1];
+      }
+      __syncwarp();
+      const uint32_t slot = lane < kRounds ? picks[lane] : 0u;
+      const uint32_t after = lane + 1 < kRounds ? picks[lane + 1] : 0u;
+      const uint32_t last = picks[K];
+      // Consecutive picks whose truncated keys agree: their order hangs on the dropped bits. Picks K - 1
+      // and K decide which expert is in the top K (the exact code decides); ties among the top K only
+      // order them, and are sorted again below on their full keys.
+      const bool tie_next = lane < K && slot != 0u && (slot >> IBK) == (after >> IBK);
+      const bool doubt = lane == K - 1 && tie_next;
+      const bool reorder = __any_sync(kFull, lane < K - 1 && tie_next);
+      // A lane that gave away its DD keys had its next one left out of the later rounds: harmless
+      // unless that key beats the last pick. Rare (some lane holds DD of the top K + 1: ~5% of
+      // random rows at E = 256, K = 8, DD = 3), so the next key is looked for only then.
+      bool deeper = false;
+      if constexpr (V > DD) {
+        const bool emptied = kept && cache[0] == 0u;
+        if (__any_sync(kFull, emptied)) {
+          uint32_t next = 0;
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            const uint32_t k = key_of(i);
+            next = k < dth ? max(next, k) : next;
+          }
+          deeper = __any_sync(kFull, emptied && next > last);
+        }
+      }
+      slow = slow || __any_sync(kFull, doubt);
+      // A near tie (or a row outside the fast range) needs the exact code; a dry cache, only deeper
+      // caches. Either way nothing of the row is written here.
+      if (slow) return kLeanRowExact;
+      if (deeper) return kDeeperPass ? kLeanRowDeeper : kLeanRowExact;
+      // Weights: the slot lanes recompute their expert's score from its staged logit with the
+      // functions that scored it, so an unnormalised weight is exactly the score that selected it.
+      bool used = lane < K && slot != 0u;
+      int id = used ? static_cast<int>(IMK - (slot & IMK)) : -1;
+      if (reorder) {  // warp-uniform, rare: the top K by (full key, lower expert), recomputed from the logits
+        const float xt = logit_of(used, id);
+        float v;
+        if constexpr (SF == kScoreSoftmaxAfterTopk) {
+          v = __fadd_rn(__fadd_rn(xt, s_bias[used ? id : 0]), 0.0f);
+        } else {
+          const float ut = lean_exp(xt);
+          const float st = SF == kScoreSigmoid ? lean_sigmoid(ut) : ut * inv;
+          v = kBias ? __fadd_rn(st, s_bias[used ? id : 0]) : (kRankU ? ut : st);
+        }
+        const uint32_t full = kPositive ? __float_as_uint(v) : order_key2(v);
+        const uint64_t key =
+            used ? (static_cast<uint64_t>(full) << 32) | (0xffffffffu - static_cast<uint32_t>(id)) : 0ull;
+        const uint64_t mine = lean_sort_desc(key, lane);
+        used = lane < K && mine != 0ull;
+        id = used ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(mine)) : -1;
+      }
+      const float xs = logit_of(used, id);
+      float w = 0.0f;
+      if constexpr (SF == kScoreSoftmax) {
+        w = used ? lean_exp(xs) * inv : 0.0f;
+      } else if constexpr (SF == kScoreSigmoid) {
+        w = used ? lean_sigmoid(lean_exp(xs)) : 0.0f;
+      } else {  // softmax over the selected logits (the slots are lanes 0..15)
+        const float m2 = half_max(used ? xs : -CUDART_INF_F);
+        const float ex = used ? ex2_approx((xs - m2) * kLog2e) : 0.0f;
+        const float s2 = half_sum(ex);  // >= 1 where a slot is used: the max contributes 1
+        w = used ? ex * rcp_rn_normal(s2) : 0.0f;
+      }
+      const float W = half_sum(w);
+      const bool divide = p.normalize && W > 0.0f;
+      const float wgt = p.scale * (divide ? w * rcp_approx(W) : w);  // W in (0, 16]
+      if (lane < K) store_slot(p, t * K + lane, id, used ? wgt : 0.0f);
+
+      if (want_prob) {
+#pragma unroll
+        for (int k = 0; k < NQ; ++k) {
+          float4& a = reinterpret_cast<float4*>(red + e0)[k];
+          const float4 o = a;
+          const float sc = SF == kScoreSigmoid ? inv : 1.0f;  // sigmoid: s / sum s
+          a = make_float4(o.x + score_of(4 * k) * sc, o.y + score_of(4 * k + 1) * sc,
+                          o.z + score_of(4 * k + 2) * sc, o.w + score_of(4 * k + 3) * sc);
+        }
+      }
+      if (want_scal) {
+        const float lse = lg2_approx(S) * kLn2;
+        w_lse += lse * lse;
+        ++w_cnt;
+      }
+      return kLeanRowDone;
+    };
+
     // The fast path over windows of 64 tokens; a window's slow tokens (a bit each) go through the
     // exact code after it. A row is computed through to its picks without branching on whether it is
     // fast (a slow row's values are never written): the branches cost more than the rare slow row's
     // wasted work (H200: 4-7% of softmax top-8 at E = 128-512, level at DeepSeek-V3).
     for (int j0 = 0; j0 < n; j0 += 64) {
       const int jn = min(n, j0 + 64);
-      uint64_t slow_tokens = 0;
+      uint64_t slow_tokens = 0, deeper_tokens = 0;
       for (int j = j0; j < jn; ++j) {  // warp-uniform
         if (j + R - 1 < n) {
           const int jr = j + R - 1;
@@ -258,185 +498,42 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
           x[4 * k + 3] = v.w;
         }
 
-        // Exponentials and the row's sums; sigmoid keeps its scores sv, softmax its u (p = u / S).
-        float u[V], sv[V];
-        float S = 0.0f, SS = 0.0f;
-        bool fast = bias_ok;
-        if constexpr (SF == kScoreSigmoid) {
-          float su[2], ss[2];
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            u[i] = lean_exp(x[i]);
-            sv[i] = lean_sigmoid(u[i]);
-            su[i & 1] = i < 2 ? u[i] : su[i & 1] + u[i];
-            ss[i & 1] = i < 2 ? sv[i] : ss[i & 1] + sv[i];
-          }
-          S = su[0] + su[1];
-          SS = ss[0] + ss[1];
-          token_sum2(TokenLanes<1>(lane), S, 0.0f, SS, 0.0f);  // one butterfly for both sums
-          fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
-        } else if (need_exp) {
-          float su[2];
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            u[i] = lean_exp(x[i]);
-            su[i & 1] = i < 2 ? u[i] : su[i & 1] + u[i];
-          }
-          S = warp_sum(su[0] + su[1]);
-          fast = fast && S >= kLeanSumMin && S <= kLeanSumMax;
-        } else {  // softmax after top-k without statistics: the logits only need to be finite
-          float ax = 0.0f;
-#pragma unroll
-          for (int i = 0; i < V; ++i) ax += fabsf(x[i]);
-          fast = fast && __all_sync(kFull, ax <= FLT_MAX);
-        }
-        bool slow = !fast;
-
-        // 1 / S (softmax p and the statistics) or 1 / the sum of the sigmoid scores; normal where the
-        // row is fast.
-        const float inv = SF == kScoreSigmoid ? rcp_rn_normal(SS) : (need_exp ? rcp_rn_normal(S) : 0.0f);
-        // Element i's score (softmax probability or sigmoid) and, once, its selection value: softmax
-        // without a bias or groups ranks u itself (p = u / S for one S per row), the others the score
-        // plus the bias, or the logit plus the bias after top-k.
-        auto score_of = [&](int i) -> float {
-          if constexpr (SF == kScoreSigmoid)
-            return sv[i];
-          else
-            return u[i] * inv;
-        };
-        auto sel_of = [&](int i) -> float {
-          if constexpr (SF == kScoreSoftmaxAfterTopk)
-            return __fadd_rn(__fadd_rn(x[i], s_bias[e0 + i]), 0.0f);  // -0 -> +0: the reference ties them
-          else if constexpr (kBias)
-            return __fadd_rn(score_of(i), s_bias[e0 + i]);
-          else
-            return kRankU ? u[i] : score_of(i);
-        };
-        auto key_of = [&](int i) -> uint32_t {
-          const float v = sel_of(i);
-          return lean_composite<V>(kPositive ? __float_as_uint(v) : order_key2(v), packs, e0, i);
-        };
-        // Each lane's D best composites; dth, the D-th, bounds what a refill would look at.
-        uint32_t cache[D];
-#pragma unroll
-        for (int k = 0; k < D; ++k) cache[k] = 0u;
-#pragma unroll
-        for (int i = 0; i < V; ++i) lean_insert<D>(cache, key_of(i));
-        const uint32_t dth = cache[D - 1];
-
-        // Groups: the lane's top-2 selection values, merged over the group's lanes; the group score
-        // is their sum (every expert is eligible here, and a group has >= V >= 4 of them).
-        bool kept = true;
-        if constexpr (kGroups) {
-          float t1 = -CUDART_INF_F, t2 = -CUDART_INF_F;
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            const float v = sel_of(i);
-            t2 = fmaxf(t2, fminf(t1, v));
-            t1 = fmaxf(t1, v);
-          }
-          for (int off = 1; off < lpg; off <<= 1) {
-            const float b1 = __shfl_xor_sync(kFull, t1, off), b2 = __shfl_xor_sync(kFull, t2, off);
-            t2 = fmaxf(fminf(t1, b1), fmaxf(t2, b2));
-            t1 = fmaxf(t1, b1);
-          }
-          // (score key, 15 - group): a larger composite is a higher score, then a lower group. The
-          // lanes of a group hold the same composite, so a round takes whole groups.
-          uint32_t gk = (order_key2(__fadd_rn(t1, t2)) & ~15u) | (15u - my_group);
-          uint32_t gl = 0;
-          kept = false;
-          for (int r = 0; r < p.group_topk; ++r) {
-            gl = __reduce_max_sync(kFull, gk);
-            const bool won = gk == gl;
-            kept = kept || won;
-            gk = won ? 0u : gk;
-          }
-          const uint32_t gn = __reduce_max_sync(kFull, gk);
-          slow = slow || (gn != 0u && (gn >> 4) == (gl >> 4));  // the kept/dropped boundary could hang on dropped bits
-          if (!kept) {
-#pragma unroll
-            for (int k = 0; k < D; ++k) cache[k] = 0u;
-          }
-        }
-
-        // kRounds >= K + 1 rounds: pick r is the warp's max head; its lane moves on to its next key.
-        // Pick K only tells whether pick K - 1 is certain; picks past it are not used. Lane 0 files
-        // the picks, lane r then reads pick r (and r + 1).
-        uint32_t* picks = &s_picks[warp][0];
-#pragma unroll
-        for (int r = 0; r < kRounds; ++r) {
-          const uint32_t m = __reduce_max_sync(kFull, cache[0]);
-          if (lane == 0) picks[r] = m;
-          if (r == kRounds - 1) break;  // the last pick's lane need not move on
-          const bool won = cache[0] == m;
-#pragma unroll
-          for (int k = 0; k + 1 < D; ++k) cache[k] = won ? cache[k + 1] : cache[k];
-          cache[D - 1] = won ? 0u : cache[D - 1];
-        }
-        __syncwarp();
-        const uint32_t slot = lane < kRounds ? picks[lane] : 0u;
-        const uint32_t after = lane + 1 < kRounds ? picks[lane + 1] : 0u;
-        const uint32_t last = picks[K];
-        bool doubt = lane < K && slot != 0u && (slot >> IBK) == (after >> IBK);
-        // A lane that gave away its D keys had its next one left out of the later rounds: harmless
-        // unless that key beats the last pick. Rare (some lane holds D of the top K + 1: ~5% of
-        // random rows at E = 256, K = 8, D = 3), so the next key is looked for only then.
-        if constexpr (V > D) {
-          const bool emptied = kept && cache[0] == 0u;
-          if (__any_sync(kFull, emptied)) {
-            uint32_t next = 0;
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-              const uint32_t k = key_of(i);
-              next = k < dth ? max(next, k) : next;
-            }
-            doubt = doubt || (emptied && next > last);
-          }
-        }
-        slow = slow || __any_sync(kFull, doubt);
-
-        if (slow) {
-          slow_tokens |= 1ull << (j - j0);
-        } else {
-          const int64_t t = t0 + static_cast<int64_t>(kWarps) * j;
-          // Weights: the slot lanes recompute their expert's score from its staged logit with the
-          // functions that scored it, so an unnormalised weight is exactly the score that selected it.
-          const bool used = lane < K && slot != 0u;
-          const int id = used ? static_cast<int>(IMK - (slot & IMK)) : -1;
-          const float xs = used ? x_row[id] : 0.0f;
-          float w = 0.0f;
-          if constexpr (SF == kScoreSoftmax) {
-            w = used ? lean_exp(xs) * inv : 0.0f;
-          } else if constexpr (SF == kScoreSigmoid) {
-            w = used ? lean_sigmoid(lean_exp(xs)) : 0.0f;
-          } else {  // softmax over the selected logits (the slots are lanes 0..15)
-            const float m2 = half_max(used ? xs : -CUDART_INF_F);
-            const float ex = used ? ex2_approx((xs - m2) * kLog2e) : 0.0f;
-            const float s2 = half_sum(ex);  // >= 1 where a slot is used: the max contributes 1
-            w = used ? ex * rcp_rn_normal(s2) : 0.0f;
-          }
-          const float W = half_sum(w);
-          const bool divide = p.normalize && W > 0.0f;
-          const float wgt = p.scale * (divide ? w * rcp_approx(W) : w);  // W in (0, 16]
-          if (lane < K) store_slot(p, t * K + lane, id, used ? wgt : 0.0f);
-
-          if (want_prob) {
-#pragma unroll
-            for (int k = 0; k < NQ; ++k) {
-              float4& a = reinterpret_cast<float4*>(red + e0)[k];
-              const float4 o = a;
-              const float sc = SF == kScoreSigmoid ? inv : 1.0f;  // sigmoid: s / sum s
-              a = make_float4(o.x + score_of(4 * k) * sc, o.y + score_of(4 * k + 1) * sc,
-                              o.z + score_of(4 * k + 2) * sc, o.w + score_of(4 * k + 3) * sc);
-            }
-          }
-          if (want_scal) {
-            const float lse = lg2_approx(S) * kLn2;
-            w_lse += lse * lse;
-            ++w_cnt;
-          }
-        }
+        const int64_t t = t0 + static_cast<int64_t>(kWarps) * j;
+        const int routed = route_row(std::integral_constant<int, D>{}, x, t,
+                                     [&](bool used, int id) { return used ? x_row[id] : 0.0f; });
+        if (routed == kLeanRowExact) slow_tokens |= 1ull << (j - j0);
+        if (routed == kLeanRowDeeper) deeper_tokens |= 1ull << (j - j0);
         __syncwarp();  // every lane is done with this row before a later copy overwrites its slot
+      }
+      // A window's rows with a dry cache, again with every key of a lane cached (their logits reloaded:
+      // the ring has moved on); those with a near tie join the exact ones.
+      if constexpr (kDeeperPass) {
+        while (deeper_tokens != 0) {
+          const int b = __ffsll(static_cast<long long>(deeper_tokens)) - 1;
+          deeper_tokens &= deeper_tokens - 1;
+          const int64_t t = t0 + static_cast<int64_t>(kWarps) * (j0 + b);
+          float xd[V];
+#pragma unroll
+          for (int k = 0; k < NQ; ++k) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(logits + t * E + e0) + k);
+            xd[4 * k] = v.x;
+            xd[4 * k + 1] = v.y;
+            xd[4 * k + 2] = v.z;
+            xd[4 * k + 3] = v.w;
+          }
+          const auto shuffled_logit = [&](bool used, int id) {  // expert id's logit from the lane holding it
+            const int src = used ? id / V : 0, i = used ? id % V : 0;
+            float v = 0.0f;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+              const float o = __shfl_sync(kFull, xd[k], src);
+              v = k == i ? o : v;
+            }
+            return used ? v : 0.0f;
+          };
+          if (route_row(std::integral_constant<int, V>{}, xd, t, shuffled_logit) != kLeanRowDone)
+            slow_tokens |= 1ull << b;
+        }
       }
       while (slow_tokens != 0) {
         const int b = __ffsll(static_cast<long long>(slow_tokens)) - 1;
