@@ -19,21 +19,22 @@
 //    values with fminf/fmaxf, an xor butterfly over the group's lanes, the group score as their sum,
 //    and group_topk + 1 redux rounds over (score key, group) composites.
 // A row where some lane's D cached keys were all picked while its next key could still beat the last
-// pick is routed again after its 64-token window with every key of a lane cached (D = V, the same
-// keys and rounds, so the same picks the reference makes). Rows the fast path cannot vouch for go,
-// whole, through fast_route_token (router_fast_kernels.cuh), the fast kernels' exact per-token code:
-// S outside its range (NaN, infinities, extreme logits), a non-finite bias, picks K - 1 and K with
-// equal truncated keys (which of them is in the top K could hang on the dropped bits: an exact tie
-// or a near one), or two group scores on either side of the kept/dropped boundary that agree on the
-// truncated key. Equal truncated keys inside the top K only order the slots: those rows keep the fast
-// path, and their K slots are sorted again on the full keys (with sigmoid scores near 1 such ties
-// sent ~1.5% of random DeepSeek-V3 rows to the exact code). The exact code costs several fast rows, and the warp that meets one finishes late: with one
-// wave of blocks the busiest SM's slowest warp sets the kernel's time, so the common dry-cache case
-// (~0.2% of random rows at E = 256, K = 8) takes the cheap way (not with groups: see kDeeperPass). Which path a
-// row takes depends on the row alone, so the outputs stay deterministic. Every path adds a routed
-// token's probabilities to the warp's shared-memory row of the chunk, in token order within each
-// 64-token window (the deeper rows after the window's fast ones, then the exact ones), and its lse^2
-// and count once, so no token is counted twice.
+// pick is routed again after its 64-token window with every key of a lane cached (D = V, the same keys
+// and rounds, so the same picks the reference makes; not with groups: see kDeeperPass). Rows the fast
+// path cannot vouch for go, whole, through fast_route_token (router_fast_kernels.cuh), the fast
+// kernels' exact per-token code: S outside its range (NaN, infinities, extreme logits), a non-finite
+// bias, picks K - 1 and K with equal truncated keys (which of them is in the top K could hang on the
+// dropped bits: an exact tie or a near one), or two group scores on either side of the kept/dropped
+// boundary that agree on the truncated key. Equal truncated keys inside the top K only order the
+// slots: those rows keep the fast path, and their K slots are sorted again on the full keys (with
+// sigmoid scores near 1 such ties sent ~1.5% of random DeepSeek-V3 rows to the exact code). The exact
+// code costs several fast rows, and the warp that meets one finishes late: with one wave of blocks the
+// busiest SM's slowest warp sets the kernel's time, so the common cases (dry caches: ~0.2% of random
+// rows at E = 256, K = 8; ties inside the top K) take cheap ways. Which path a row takes depends on
+// the row alone, so the outputs stay deterministic. Every path adds a routed token's probabilities to
+// the warp's shared-memory row of the chunk, in token order within each 64-token window (the deeper
+// rows after the window's fast ones, then the exact ones), and its lse^2 and count once, so no token
+// is counted twice.
 // Rows are staged through a per-warp ring of lean_stages<V>() rows in shared memory (cp.async, the
 // first three in flight at once), so no registers hold a prefetched row and the weights re-read
 // their logits from shared memory.
