@@ -179,8 +179,9 @@ if has router; then
   timeout 300 "$BUILD/bin/bench_router" >"$OUT/router.jsonl" 2>>"$OUT/bench.err" || summary "router bench: rc=$?"
   PYTHONUNBUFFERED=1 timeout 180 python3 bench/torch_kernels_baseline.py --ops router >>"$OUT/router.jsonl" 2>>"$OUT/bench.err" ||
     summary "router bench: torch baseline failed"
-  # The T = 16384 fp32 lines with statistics, side by side (the targets' shapes).
+  # The T = 16384 fp32 lines with statistics on random rows, side by side (the targets' shapes).
   grep '"op":"route_forward"' "$OUT/router.jsonl" | grep '"T":16384' | grep '"dtype":"fp32"' | grep '"stats":"global+z"' |
+    grep -v '"rows":"separated"' |
     sed -E 's/.*"case":"([^"]*)".*"kernel":"([^"]*)".*"us":([0-9.]+),.*"hbm_fraction":([0-9.]+).*/\1 \2 \3 us \4 HBM/' | tee -a "$OUT/summary.txt"
   if command -v ncu >/dev/null 2>&1; then
     ncu_router() {  # ncu_router NAME KERNEL_REGEX: the bench's first launch of that kernel
