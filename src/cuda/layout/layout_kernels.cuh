@@ -347,8 +347,6 @@ __device__ __forceinline__ unsigned long long load_relaxed_gpu(const unsigned lo
 __device__ __forceinline__ void store_release_gpu(unsigned long long* a, unsigned long long v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
-// fence_acq_rel_gpu (block_ticket.cuh), not the fence.sc of __threadfence(): only the flag's
-// release/acquire pairing is needed, and the sequentially consistent fence costs more on the critical path.
 
 // Publishes this block's aggregates (written before the call by any thread of the block): the
 // barrier orders every thread's writes before thread 0's release store of the flag, which makes
@@ -374,7 +372,7 @@ __device__ __forceinline__ void wait_for_lower(const unsigned long long* flags, 
       const unsigned long long f1 = has1 ? load_relaxed_gpu(flags + lane + 32) : want1;
       if (__all_sync(0xffffffffu, f0 == want0 && f1 == want1)) break;
     }
-    fence_acq_rel_gpu();
+    fence_acq_rel_gpu();  // acquire only: not the fence.sc of __threadfence() (block_ticket.cuh)
   }
   __syncthreads();
 }

@@ -261,6 +261,19 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     float w_lse = 0.0f;
     unsigned w_cnt = 0;
 
+    // The value the reference ranks an expert by, from its logit xv, exponential uv (softmax), score and
+    // bias; and its full 32-bit key, whose unsigned order is that value's order. The lane caches and the
+    // re-sort of tied picks both rank by these.
+    auto sel_value = [&](float xv, float uv, float score, float b) -> float {
+      if constexpr (SF == kScoreSoftmaxAfterTopk)
+        return __fadd_rn(__fadd_rn(xv, b), 0.0f);  // -0 -> +0: the reference ties them
+      else if constexpr (kBias)
+        return __fadd_rn(score, b);
+      else
+        return kRankU ? uv : score;
+    };
+    auto full_key = [](float v) -> uint32_t { return kPositive ? __float_as_uint(v) : order_key2(v); };
+
     // Routes one row: t's logits in x (this lane's V), its caches DD keys deep. Writes the row's slots and
     // statistics and returns kLeanRowDone, or writes nothing and says which path must take the row:
     // kLeanRowDeeper where a lane's cache ran dry while its next key could still be picked (only deeper
@@ -314,18 +327,8 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
         else
           return u[i] * inv;
       };
-      auto sel_of = [&](int i) -> float {
-        if constexpr (SF == kScoreSoftmaxAfterTopk)
-          return __fadd_rn(__fadd_rn(x[i], s_bias[e0 + i]), 0.0f);  // -0 -> +0: the reference ties them
-        else if constexpr (kBias)
-          return __fadd_rn(score_of(i), s_bias[e0 + i]);
-        else
-          return kRankU ? u[i] : score_of(i);
-      };
-      auto key_of = [&](int i) -> uint32_t {
-        const float v = sel_of(i);
-        return lean_composite<V>(kPositive ? __float_as_uint(v) : order_key2(v), packs, e0, i);
-      };
+      auto sel_of = [&](int i) -> float { return sel_value(x[i], u[i], score_of(i), s_bias[e0 + i]); };
+      auto key_of = [&](int i) -> uint32_t { return lean_composite<V>(full_key(sel_of(i)), packs, e0, i); };
       // Each lane's D best composites; dth, the D-th, bounds what a refill would look at.
       uint32_t cache[DD];
 #pragma unroll
@@ -419,16 +422,9 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
       bool used = lane < K && slot != 0u;
       int id = used ? static_cast<int>(IMK - (slot & IMK)) : -1;
       if (reorder) {  // warp-uniform, rare: the top K by (full key, lower expert), recomputed from the logits
-        const float xt = logit_of(used, id);
-        float v;
-        if constexpr (SF == kScoreSoftmaxAfterTopk) {
-          v = __fadd_rn(__fadd_rn(xt, s_bias[used ? id : 0]), 0.0f);
-        } else {
-          const float ut = lean_exp(xt);
-          const float st = SF == kScoreSigmoid ? lean_sigmoid(ut) : ut * inv;
-          v = kBias ? __fadd_rn(st, s_bias[used ? id : 0]) : (kRankU ? ut : st);
-        }
-        const uint32_t full = kPositive ? __float_as_uint(v) : order_key2(v);
+        const float xt = logit_of(used, id), ut = lean_exp(xt);
+        const float st = SF == kScoreSigmoid ? lean_sigmoid(ut) : ut * inv;
+        const uint32_t full = full_key(sel_value(xt, ut, st, s_bias[used ? id : 0]));
         const uint64_t key =
             used ? (static_cast<uint64_t>(full) << 32) | (0xffffffffu - static_cast<uint32_t>(id)) : 0ull;
         const uint64_t mine = lean_sort_desc(key, lane);
