@@ -53,6 +53,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -274,6 +275,17 @@ struct Filter {
   }
 };
 
+// Whether option opt's value v is one of `allowed`; else false after a message naming both.
+bool one_of(const char* opt, const std::string& v, std::initializer_list<const char*> allowed) {
+  std::string list;
+  for (const char* a : allowed) {
+    if (v == a) return true;
+    list += (list.empty() ? "" : ", ") + std::string(a);
+  }
+  std::fprintf(stderr, "bench_router: %s must be one of %s, got \"%s\"\n", opt, list.c_str(), v.c_str());
+  return false;
+}
+
 // Parses the options above; false (after a message naming the option) on anything else.
 bool parse_filter(int argc, char** argv, Filter& f) {
   for (int i = 1; i < argc; i += 2) {
@@ -286,24 +298,16 @@ bool parse_filter(int argc, char** argv, Filter& f) {
     if (!std::strcmp(opt, "--case")) {
       f.name = v;
     } else if (!std::strcmp(opt, "--dtype")) {
-      if (v != "fp32" && v != "bf16") {
-        std::fprintf(stderr, "bench_router: --dtype must be fp32 or bf16, got \"%s\"\n", v.c_str());
-        return false;
-      }
+      if (!one_of(opt, v, {"fp32", "bf16"})) return false;
       f.dtype = v;
     } else if (!std::strcmp(opt, "--stats")) {
-      if (v != "0" && v != "1" && v != "2") {
-        std::fprintf(stderr, "bench_router: --stats must be 0, 1 or 2, got \"%s\"\n", v.c_str());
-        return false;
-      }
+      if (!one_of(opt, v, {"0", "1", "2"})) return false;
       f.stats = v[0] - '0';
     } else if (!std::strcmp(opt, "--kernel")) {
+      if (!one_of(opt, v, {"lean", "wide", "fast", "fast1", "legacy"})) return false;
       f.kernel = v;
     } else if (!std::strcmp(opt, "--rows")) {
-      if (v != "random" && v != "separated") {
-        std::fprintf(stderr, "bench_router: --rows must be random or separated, got \"%s\"\n", v.c_str());
-        return false;
-      }
+      if (!one_of(opt, v, {"random", "separated"})) return false;
       f.rows = v;
     } else {
       std::fprintf(stderr, "bench_router: unknown option \"%s\" (--case, --dtype, --stats, --kernel, --rows)\n", opt);
