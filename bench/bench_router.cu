@@ -11,7 +11,7 @@
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
 // Options select forward cases (for a profiler, or a quick A/B): --case NAME (e.g. softmax_top8),
-// --dtype fp32|bf16, --stats 0|1|2, --kernel lean|wide|fast|fast1|legacy, --rows random|separated. With
+// --dtype fp32|bf16, --stats 0|1|2, --kernel split|lean|wide|fast|fast1|legacy, --rows random|separated. With
 // any of them given, only the matching route_forward lines run (no backward, no small ops). "separated"
 // rows (host_separated) leave the kernels' exact fallback nothing to do; the line says "rows".
 //
@@ -304,7 +304,7 @@ bool parse_filter(int argc, char** argv, Filter& f) {
       if (!one_of(opt, v, {"0", "1", "2"})) return false;
       f.stats = v[0] - '0';
     } else if (!std::strcmp(opt, "--kernel")) {
-      if (!one_of(opt, v, {"lean", "wide", "fast", "fast1", "legacy"})) return false;
+      if (!one_of(opt, v, {"split", "lean", "wide", "fast", "fast1", "legacy"})) return false;
       f.kernel = v;
     } else if (!std::strcmp(opt, "--rows")) {
       if (!one_of(opt, v, {"random", "separated"})) return false;
@@ -397,13 +397,16 @@ int main(int argc, char** argv) {
       fwd.push_back(dec);
     }
     for (const Case& k : fwd)
-      for (epx::cuda::RouterKernel kern : {epx::cuda::RouterKernel::kLean, epx::cuda::RouterKernel::kWide,
-                                           epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
-                                           epx::cuda::RouterKernel::kLegacy}) {
-        // Only where lean serves the shape (elsewhere it would run wide under its name); the
-        // benchmark's logits are fresh allocations, 16-byte aligned like the null address asked about.
+      for (epx::cuda::RouterKernel kern :
+           {epx::cuda::RouterKernel::kSplit, epx::cuda::RouterKernel::kLean, epx::cuda::RouterKernel::kWide,
+            epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
+            epx::cuda::RouterKernel::kLegacy}) {
+        // Only where split / lean serve the shape (elsewhere another kernel would run under their name);
+        // the benchmark's logits are fresh allocations, 16-byte aligned like the null address asked about.
         const TensorRef shape(nullptr, k.dt, {k.T, k.E}, Device::cuda(0));
         if (kern == epx::cuda::RouterKernel::kLean && !epx::cuda::lean_router_serves(config_of(k), shape))
+          continue;
+        if (kern == epx::cuda::RouterKernel::kSplit && !epx::cuda::split_router_serves(config_of(k), shape))
           continue;
         if (!filter.keeps(k, kern)) continue;
         bench_forward(k, hbm, kern);

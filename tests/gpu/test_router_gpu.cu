@@ -379,7 +379,7 @@ TEST(RouterGpuForward, MatchesReferenceOnTiesAndNonFiniteRows) {
     const Tensor b = c.use_expert_bias ? host_tensor({E}, DType::kF32, bias) : Tensor();
     const std::string what = describe(c, k.dt, k.idx_dt, T) + " (adversarial rows)";
     const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
-    for (cuda::RouterKernel kern : {cuda::RouterKernel::kWide, cuda::RouterKernel::kLean}) {
+    for (cuda::RouterKernel kern : {cuda::RouterKernel::kWide, cuda::RouterKernel::kLean, cuda::RouterKernel::kSplit}) {
       cuda::set_router_kernel(kern);
       for (double poison : kPoisons)
         expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
@@ -597,19 +597,22 @@ TEST(RouterGpuForward, FastStatisticsDeterministicAtScale) {
                              std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
     }
   }
-  // The lean kernel serves fp32 logits only; its fallback rows (ties, NaN, infinities) are in the mix.
-  cuda::set_router_kernel(cuda::RouterKernel::kLean);
-  for (AuxLossType aux : {AuxLossType::kGlobalBatch, AuxLossType::kSequence}) {
-    RouterConfig c = make_config(256, 8, ScoreFunction::kSigmoid, 8, 4, true, true, 2.5f);
-    c.aux_loss = aux;
-    c.seq_len = 4096;
-    const int64_t T = 32768;
-    const Tensor b = host_tensor({256}, DType::kF32, random_bias(256, 5, 0.05));
-    const Tensor logits = host_tensor({T, 256}, DType::kF32, mixed_rows(c, T, DType::kF32, 98));
-    const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
-    for (int run = 0; run < 3; ++run)
-      expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
-                           "lean run " + std::to_string(run + 1));
+  // The lean and split kernels serve fp32 logits only; their fallback rows (ties, NaN, infinities) are
+  // in the mix.
+  for (cuda::RouterKernel kern : {cuda::RouterKernel::kLean, cuda::RouterKernel::kSplit}) {
+    cuda::set_router_kernel(kern);
+    for (AuxLossType aux : {AuxLossType::kGlobalBatch, AuxLossType::kSequence}) {
+      RouterConfig c = make_config(256, 8, ScoreFunction::kSigmoid, 8, 4, true, true, 2.5f);
+      c.aux_loss = aux;
+      c.seq_len = 4096;
+      const int64_t T = 32768;
+      const Tensor b = host_tensor({256}, DType::kF32, random_bias(256, 5, 0.05));
+      const Tensor logits = host_tensor({T, 256}, DType::kF32, mixed_rows(c, T, DType::kF32, 98));
+      const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
+      for (int run = 0; run < 3; ++run)
+        expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
+                             std::string(cuda::router_kernel_name(kern)) + " run " + std::to_string(run + 1));
+    }
   }
 }
 
@@ -643,11 +646,12 @@ TEST(RouterGpuForward, WideAndFallbackKernelsMatchReference) {
     }
 }
 
-// The lean kernel, forced, against the reference on its shapes: fp32 logits, E in {128, 256, 512},
-// K from 1 to 16 (lane caches of 3 and 4 keys), groups of 2 to 16 lanes, every score function,
-// global and sequence statistics. Rows are NaN-free (but rows 3 and 4, and a few NaNs at T = 517),
-// so the fast path decides most of them and the exact fallback the rest.
-TEST(RouterGpuForward, LeanKernelMatchesReference) {
+// The lean and split kernels, each forced, against the reference on their shapes: fp32 logits, E in
+// {128, 256, 512}, K from 1 to 16 (lean's lane caches of 3 and 4 keys; split serves K <= 8 and runs lean
+// above), groups of 2 to 16 lanes (split: groups of 32 and 64 experts), every score function, global and
+// sequence statistics. Rows are NaN-free (but rows 3 and 4, and a few NaNs at T = 517), so the fast path
+// decides most of them and the exact fallback the rest.
+TEST(RouterGpuForward, LeanAndSplitKernelsMatchReference) {
   EPX_REQUIRE_GPU();
   const RouterKernelRestorer restore_kernel;
   using SF = ScoreFunction;
@@ -662,6 +666,15 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
       {make_config(128, 16, SF::kSoftmaxAfterTopk), DType::kF32, DType::kI64},
       {make_config(512, 8, SF::kSigmoid, 16, 4, true, true, 2.5f), DType::kF32, DType::kI32},
       {make_config(512, 12, SF::kSoftmax, 1, 1, true, false, 1.5f), DType::kF32, DType::kI32},
+      // Shapes only split serves in its own way: softmax without a bias at each E, groups of 64, no
+      // bias with groups, K below 8.
+      {make_config(128, 8, SF::kSoftmax, 1, 1, false, true), DType::kF32, DType::kI32},
+      {make_config(512, 8, SF::kSoftmax, 1, 1, false, false, 2.0f), DType::kF32, DType::kI64},
+      {make_config(256, 3, SF::kSoftmax, 1, 1, false, true), DType::kF32, DType::kI32},
+      {make_config(256, 6, SF::kSigmoid, 4, 2, true, true, 2.5f), DType::kF32, DType::kI32},
+      {make_config(128, 5, SF::kSigmoid, 2, 1, false, true), DType::kF32, DType::kI32},
+      {make_config(512, 8, SF::kSigmoid, 8, 3, false, false), DType::kF32, DType::kI32},
+      {make_config(256, 8, SF::kSigmoid, 1, 1, true, true), DType::kF32, DType::kI32},
   };
   RouterConfig seq = make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f);
   seq.aux_loss = AuxLossType::kSequence;
@@ -677,20 +690,22 @@ TEST(RouterGpuForward, LeanKernelMatchesReference) {
       const Tensor b = c.use_expert_bias ? host_tensor({c.num_experts}, DType::kF32, bias) : Tensor();
       const Tensor logits = random_logits(c, T, k.dt, bias, seed++, 2.0, T == 517 ? 0.001 : 0.0);
       const Routed cpu = forward_on(Device::cpu(), c, logits, b, k.idx_dt);
-      cuda::set_router_kernel(cuda::RouterKernel::kLean);
-      for (double poison : kPoisons)
-        expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
-                             describe(c, k.dt, k.idx_dt, T) + " kernel lean");
+      for (cuda::RouterKernel kern : {cuda::RouterKernel::kLean, cuda::RouterKernel::kSplit}) {
+        cuda::set_router_kernel(kern);
+        for (double poison : kPoisons)
+          expect_forward_match(forward_on(Device::cuda(0), c, logits, b, k.idx_dt, poison), cpu,
+                               describe(c, k.dt, k.idx_dt, T) + " kernel " + cuda::router_kernel_name(kern));
+      }
     }
 }
 
 // One batch in which the lean kernel's three paths alternate token by token, so that a chunk's
 // statistics join the fast path's and the fallback's: well-separated random rows (fast), rows
 // whose V best experts all sit in one lane (a lane's cache runs dry: the row is routed again with
-// every key of a lane cached), rows of small integers (exact ties: the fallback) and rows with an
-// infinity or NaN (the fallback's non-finite handling). Against the reference, and bit for bit run
-// to run.
-TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
+// every key of a lane cached; for split, the picks all come from one lane's list), rows of small
+// integers (exact ties: the fallback) and rows with an infinity or NaN (the fallback's non-finite
+// handling). Against the reference, and bit for bit run to run; the same for the split kernel.
+TEST(RouterGpuForward, LeanAndSplitKernelsMixFastAndExactRows) {
   EPX_REQUIRE_GPU();
   const RouterKernelRestorer restore_kernel;
   using SF = ScoreFunction;
@@ -725,14 +740,17 @@ TEST(RouterGpuForward, LeanKernelMixesFastAndExactRows) {
       std::copy(row.begin(), row.end(), rows.begin() + t * E);
     }
     const Tensor logits = host_tensor({T, E}, DType::kF32, rows);
-    const std::string what = describe(c, DType::kF32, DType::kI32, T) + " kernel lean, mixed rows";
     const Routed cpu = forward_on(Device::cpu(), c, logits, b, DType::kI32);
-    cuda::set_router_kernel(cuda::RouterKernel::kLean);
-    const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
-    expect_forward_match(first, cpu, what);
-    for (int run = 0; run < 2; ++run)
-      expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
-                           what + " run " + std::to_string(run + 2));
+    for (cuda::RouterKernel kern : {cuda::RouterKernel::kLean, cuda::RouterKernel::kSplit}) {
+      const std::string what = describe(c, DType::kF32, DType::kI32, T) + " kernel " +
+                               cuda::router_kernel_name(kern) + ", mixed rows";
+      cuda::set_router_kernel(kern);
+      const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
+      expect_forward_match(first, cpu, what);
+      for (int run = 0; run < 2; ++run)
+        expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
+                             what + " run " + std::to_string(run + 2));
+    }
   }
 }
 

@@ -33,6 +33,7 @@
 #include "cuda/router/router_fast_kernels.cuh"
 #include "cuda/router/router_legacy_kernels.cuh"
 #include "cuda/router/router_lean.h"
+#include "cuda/router/router_split.h"
 #include "cuda/router/router_wide.h"
 #include "epx/error.h"
 
@@ -145,9 +146,12 @@ constexpr int64_t kAutoLeanMinTokens = 8192;
 RouterKernel resolve_router_kernel() {
   int k = g_router_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
-    const RouterKernel kinds[] = {RouterKernel::kAuto, RouterKernel::kLean, RouterKernel::kWide,
-                                  RouterKernel::kFast, RouterKernel::kFastOneTokenPerWarp, RouterKernel::kLegacy};
-    const int i = ::epx::detail::env_choice("EPX_ROUTER_KERNEL", {"auto", "lean", "wide", "fast", "fast1", "legacy"});
+    const RouterKernel kinds[] = {RouterKernel::kAuto,  RouterKernel::kSplit,
+                                  RouterKernel::kLean,  RouterKernel::kWide,
+                                  RouterKernel::kFast,  RouterKernel::kFastOneTokenPerWarp,
+                                  RouterKernel::kLegacy};
+    const int i =
+        ::epx::detail::env_choice("EPX_ROUTER_KERNEL", {"auto", "split", "lean", "wide", "fast", "fast1", "legacy"});
     int want = static_cast<int>(i < 0 ? RouterKernel::kAuto : kinds[i]);
     int expected = -1;
     g_router_kernel.compare_exchange_strong(expected, want);
@@ -158,15 +162,15 @@ RouterKernel resolve_router_kernel() {
   return static_cast<RouterKernel>(k);
 }
 
-// Where a forward kernel lets the next grid be scheduled (a RouterTrigger). By default the lean kernel
-// triggers before its statistics tail and the others as their blocks start (H200, bench_router, same
-// binary: lean 0.98-0.99x its time with the early trigger at T = 16384, E = 128-512, both score
+// Where a forward kernel lets the next grid be scheduled (a RouterTrigger). By default the lean and split
+// kernels trigger before their statistics tail and the others as their blocks start (H200, bench_router,
+// same binary: lean 0.98-0.99x its time with the early trigger at T = 16384, E = 128-512, both score
 // functions; wide 1.07x slower that way at E = 64, 1.00-1.015x at T = 4096 and 128).
 // EPX_ROUTER_TRIGGER=start|stats|exit forces one for every kernel (read once).
-int router_trigger(bool lean) {
+int router_trigger(bool lean_tail) {
   static const int forced = ::epx::detail::env_choice("EPX_ROUTER_TRIGGER", {"start", "stats", "exit"});
   if (forced >= 0) return forced;
-  return lean ? rk::kTriggerBeforeStats : rk::kTriggerAtStart;
+  return lean_tail ? rk::kTriggerBeforeStats : rk::kTriggerAtStart;
 }
 
 // Experts per lane: the smallest power of two with 32 * V >= E.
@@ -291,6 +295,7 @@ const char* router_kernel_name(RouterKernel k) {
     case RouterKernel::kFastOneTokenPerWarp: return "fast1";
     case RouterKernel::kWide: return "wide";
     case RouterKernel::kLean: return "lean";
+    case RouterKernel::kSplit: return "split";
     case RouterKernel::kAuto: return "auto";
     default: return "fast";
   }
@@ -302,6 +307,13 @@ RouterKernel router_kernel_in_use() { return resolve_router_kernel(); }
 
 bool lean_router_serves(const RouterConfig& c, const TensorRef& logits) {
   return lean_router_supports(shape_params(c, logits), logits.dtype() == DType::kBF16);
+}
+
+bool split_router_serves(const RouterConfig& c, const TensorRef& logits) {
+  rk::FwdParams p = shape_params(c, logits);
+  static const float kSomeBias = 0.0f;  // only whether there is a bias is read
+  p.bias = c.use_expert_bias ? &kSomeBias : nullptr;
+  return split_router_supports(p, logits.dtype() == DType::kBF16, score_kind(c.score_function));
 }
 
 void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorRef& expert_bias,
@@ -345,12 +357,17 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   // at T = 128, 1.02x for softmax after top-k), else wide.
   const bool auto_lean = want == RouterKernel::kAuto && c.score_function != ScoreFunction::kSoftmaxAfterTopk &&
                          T >= kAutoLeanMinTokens;
-  const bool lean = (want == RouterKernel::kLean || auto_lean) && lean_router_supports(p, bf16);
-  const bool wide = !lean &&
-                    (want == RouterKernel::kWide || want == RouterKernel::kLean || want == RouterKernel::kAuto) &&
+  const int sf = score_kind(c.score_function);
+  const bool split = want == RouterKernel::kSplit && split_router_supports(p, bf16, sf);
+  const bool lean = !split && (want == RouterKernel::kLean || want == RouterKernel::kSplit || auto_lean) &&
+                    lean_router_supports(p, bf16);
+  const bool wide = !split && !lean &&
+                    (want == RouterKernel::kWide || want == RouterKernel::kLean || want == RouterKernel::kSplit ||
+                     want == RouterKernel::kAuto) &&
                     wide_router_supports(p, bf16);
-  p.trigger = router_trigger(lean);
-  const int64_t max_chunks = lean   ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
+  p.trigger = router_trigger(lean || split);
+  const int64_t max_chunks = split  ? std::min<int64_t>(rk::kMaxChunks, split_router_blocks(E))
+                             : lean ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
                              : wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks())
                                     : rk::kMaxChunks;
 
@@ -388,8 +405,9 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   require_status(c.num_groups == 1 || V == 1 || p.per > V, Status::kInternal, fn, "group width ", p.per,
                  " not above the ", V, " experts per lane");
   const int grid = static_cast<int>(std::min<int64_t>(p.nchunks, max_chunks));
-  const int sf = score_kind(c.score_function);
-  if (lean)
+  if (split)
+    launch_route_forward_split(sf, grid, s, p);
+  else if (lean)
     launch_route_forward_lean(sf, grid, s, p);
   else if (wide)
     launch_route_forward_wide(sf, grid, s, p);

@@ -37,19 +37,32 @@ constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice
 /// experts -- else "fast1"), "lean" (one token per warp with fast exponentials and no max
 /// subtraction, fp32 logits, E in {128, 256, 512}, groups a power-of-two number of 32nds of E; rows
 /// it cannot vouch for go through fast1's code; else as "wide"), "fast1" (the fast kernel, one token
-/// per warp), "fast" (two tokens per warp where the shape allows, else one) or "legacy" (the earlier
+/// per warp), "split" (a token split over E / 64 lanes, top-k by sorting networks in each lane's
+/// registers: fp32 logits, E in {128, 256, 512}, K <= 8, softmax without a bias or groups, sigmoid with
+/// groups of 32 or 64 experts or none; rows it cannot vouch for go through fast1's code; else as
+/// "lean"), "fast" (two tokens per warp where the shape allows, else one) or "legacy" (the earlier
 /// kernel), kept so that a GPU run and the tests can compare them. fast, fast1 and legacy give the
-/// same topk_idx and topk_weights bits; wide and lean agree with them (and the reference) on the
+/// same topk_idx and topk_weights bits; wide, lean and split agree with them (and the reference) on the
 /// selection of well-separated scores and on weights within a few 1e-6 relative
-/// (router_wide_kernels.cuh, router_lean_kernels.cuh). prob_sum and scalars[0] differ between kernels
+/// (router_wide_kernels.cuh, router_lean_kernels.cuh, router_split_kernels.cuh). prob_sum and scalars[0] differ between kernels
 /// in rounding; each is deterministic run to run.
-enum class RouterKernel : int { kFast = 0, kFastOneTokenPerWarp = 1, kLegacy = 2, kWide = 3, kLean = 4, kAuto = 5 };
+enum class RouterKernel : int {
+  kFast = 0,
+  kFastOneTokenPerWarp = 1,
+  kLegacy = 2,
+  kWide = 3,
+  kLean = 4,
+  kAuto = 5,
+  kSplit = 6
+};
 void set_router_kernel(RouterKernel k);
 RouterKernel router_kernel_in_use();
 /// Whether "lean" serves these logits and this config (else route_forward runs wide or fast1 in its
 /// place): fp32, E in {128, 256, 512}, K <= 16, 16-byte aligned rows, groups a power-of-two number of
 /// 32nds of E. Only the logits' dtype, shape and address are read.
 bool lean_router_serves(const RouterConfig& config, const TensorRef& logits);
+/// Whether "split" serves these logits and this config (else route_forward runs lean in its place).
+bool split_router_serves(const RouterConfig& config, const TensorRef& logits);
 const char* router_kernel_name(RouterKernel k);
 
 /// logits fp32 or bf16 [T, E]; everything else as in epx::route_forward.

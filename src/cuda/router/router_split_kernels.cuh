@@ -1,0 +1,416 @@
+// route_forward, the split kernel (EPX_ROUTER_KERNEL=split; fp32 logits, E in {128, 256, 512}, K <= 8,
+// softmax scores without a bias or groups, sigmoid scores with or without a bias, without groups or with
+// groups of 32 or 64 experts). A token is split over Q = E / 64 consecutive lanes, lane q of a token
+// holding experts [64 q, 64 q + 64): a warp routes 32 / Q tokens at once, and almost all of a token's
+// work is each lane's own arithmetic over its 64 experts instead of warp-wide reductions:
+//  - a warp's tile (32 / Q rows, 8 KB) is copied to shared memory with cp.async, each lane's 64 logits
+//    as 16 quads XOR-swizzled by the lane (so 8 lanes reading quad j of their own slices hit 8
+//    different bank groups); the exponentials, scores and keys are the lean kernel's
+//    (router_lean_kernels.cuh): no max subtraction, the fast path while S = sum exp(x) lies in
+//    [2^-30, 2^126], the same composite keys (the ranked value's key with its low 8 bits -- 9 at
+//    E = 512 -- replaced by 255 - e), so a row's picks and which rows need the exact code agree with
+//    lean's;
+//  - top-k by sorting networks on the lane's registers (router_topk_network.cuh): blocks of 8 keys are
+//    sorted and merged into a running top-8 that also keeps the largest key it let go (the 9th, which
+//    says whether the 8th pick is certain); then the token's lanes merge their lists with xor
+//    shuffles. No branch depends on the data, so the warp never diverges on the fast path;
+//  - groups (32 or 64 experts: whole groups per lane): each group keeps a top-8 of its own and the top-2
+//    of its selection values (the group score, as the reference sums them); the lanes exchange the
+//    G group composites (score key, 15 - group) and drop the lists of the groups outside the best
+//    group_topk before merging;
+//  - the scores the weights and statistics need (u = exp(x) for softmax, the sigmoid score) are written
+//    back over the tile's logits, so the slot lanes read their picks' values and the statistics are a
+//    column pass over the tile (lane c adds experts c + 32 m of the tile's tokens, in token order,
+//    scaled by each row's 1 / S, or 1 / sum of scores for sigmoid, to the warp's row of the chunk).
+// Rows the fast path cannot vouch for -- S out of range (NaN, infinities, extreme logits), a non-finite
+// bias, a tie of truncated keys between picks K - 1 and K, two group scores on either side of the
+// kept/dropped boundary with equal truncated keys, fewer than K candidates -- get zeros in the column
+// pass and go, whole, through the fast kernels' exact per-token code after their tile (lean's
+// fallback). Ties of truncated keys inside the top K only order the slots: such rows sort their K
+// picks again on the full keys. Which path a row takes depends on the row alone, so the outputs are
+// deterministic run to run.
+// Launch: 8 warps per block, one 8 KB tile per warp, 2 blocks per SM (<= 128 registers); one chunk of
+// tokens per block.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/router/router_lean_kernels.cuh"
+#include "cuda/router/router_topk_network.cuh"
+
+namespace epx::cuda::router_kernels {
+
+constexpr int kSplitSpan = 64;               // experts per lane
+constexpr int kSplitTile = 32 * kSplitSpan;  // floats of a warp's tile (8 KB)
+
+template <int E>
+struct SplitShape {
+  static_assert(E == 128 || E == 256 || E == 512, "E must be 128, 256 or 512");
+  static constexpr int Q = E / kSplitSpan;  // lanes per token
+  static constexpr int TPT = 32 / Q;        // tokens per tile
+  static constexpr int IBK = E <= 256 ? 8 : 9;
+  static constexpr uint32_t IMK = (1u << IBK) - 1u;
+  // Two blocks an SM: each holds 64 KB of tiles and ~12 KB of static arrays (16 KB of statistics rows at
+  // E = 512), so a third block would pass the SM's 228 KB (tried: the grid then ran in two waves).
+  static constexpr int kMinBlocks = 2;
+};
+
+// Dynamic shared memory of a block: each warp's tile.
+constexpr int split_smem_bytes() { return kWarps * kSplitTile * static_cast<int>(sizeof(float)); }
+
+// Where element i (0..63) of slice `owner` lives in a tile (or, with owner = q, in the swizzled bias).
+__device__ __forceinline__ int split_slot(int owner, int i) {
+  return owner * kSplitSpan + 4 * ((i >> 2) ^ (owner & 7)) + (i & 3);
+}
+
+// A 16-byte shared-memory load the compiler may not hoist out of the tile loop: the swizzled bias is the
+// same for every tile, and 64 hoisted bias registers spilled the group kernels.
+__device__ __forceinline__ float4 split_lds128(const float* p) {
+  float4 v;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+  return v;
+}
+
+// Element s (0..7, runtime) of a descending list in registers: the least of its first s + 1. (A chain
+// of selects on i == s was turned into an indexed load from a local-memory copy of the list.)
+__device__ __forceinline__ uint32_t split_pick(const uint32_t (&a)[8], int s) {
+  uint32_t v = a[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) v = min(v, i <= s ? a[i] : 0xffffffffu);
+  return v;
+}
+
+// Requirements (the launcher checks): E == 64 Q, K <= 8, rows 16-byte aligned; softmax: no bias, no
+// groups; sigmoid: GPT = 0 (no groups), 1 (groups of 64) or 2 (groups of 32) groups per lane;
+// split_smem_bytes() of dynamic shared memory.
+template <int E, int SF, bool kBias, int GPT>
+__global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
+    route_forward_split_kernel(const __grid_constant__ FwdParams p) {
+  using Sh = SplitShape<E>;
+  constexpr int Q = Sh::Q, TPT = Sh::TPT, IBK = Sh::IBK;
+  constexpr uint32_t IMK = Sh::IMK;
+  constexpr int V = E / 32;   // experts per lane of the exact fallback (one token per warp)
+  constexpr int CM = E / 32;  // column sums per lane
+  constexpr int NL = GPT == 2 ? 2 : 1;  // running top-8 lists per lane
+  static_assert(SF == kScoreSoftmax ? (!kBias && GPT == 0) : SF == kScoreSigmoid, "unsupported scores");
+  static_assert(GPT >= 0 && GPT <= 2, "0, 1 or 2 groups per lane");
+  // Keys from the ranked values' own bits where they cannot be negative (no bias).
+  constexpr bool kPositive = !kBias;
+
+  extern __shared__ __align__(16) float s_tiles[];  // [kWarps][kSplitTile]
+  __shared__ __align__(16) float s_red[kWarps][E];
+  __shared__ __align__(16) float s_bias[E];     // the exact fallback's layout
+  __shared__ __align__(16) float s_bias_sw[E];  // slice q swizzled as split_slot(q, i)
+  __shared__ float s_inv[kWarps][TPT];
+  __shared__ float s_lse2[kWarps][TPT];
+  __shared__ float s_wlse[kWarps];
+  __shared__ unsigned s_wcnt[kWarps];
+  __shared__ unsigned long long s_n[kThreads];
+  __shared__ int s_lane_gf[32], s_lane_jb[32];  // the fallback's legacy group layout (unused: groups align)
+  __shared__ float s_blk_lse;
+  __shared__ unsigned long long s_blk_cnt;
+  __shared__ int s_flag;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int q = lane & (Q - 1);  // this lane's slice of its token
+  const int tt = lane / Q;       // its token in the tile
+  const int lead = lane & ~(Q - 1);
+  const int e0 = kSplitSpan * q;
+  const int K = p.K;
+  const bool want_prob = p.prob_sum != nullptr, want_scal = p.scalars != nullptr;
+  const float* logits = static_cast<const float*>(p.logits);
+  float* tile = s_tiles + warp * kSplitTile;
+  float* red = &s_red[warp][0];
+  const bool merged = stats_merged(p, want_prob, want_scal);
+  ChunkSpan span = chunk_span(p, blockIdx.x);
+  auto zero_warp_stats = [&] {
+#pragma unroll
+    for (int m = 0; m < CM; ++m) red[32 * m + lane] = 0.0f;
+    if (lane == 0) {
+      s_wlse[warp] = 0.0f;
+      s_wcnt[warp] = 0;
+    }
+  };
+  zero_warp_stats();
+  if (tid == 0) {
+    s_blk_lse = 0.0f;
+    s_blk_cnt = 0;
+  }
+
+  begin_forward_after_previous_grid(p);
+  stage_bias(s_bias, p, E);
+  __syncthreads();
+  bool bias_finite = true;
+  for (int e = tid; e < E; e += kThreads) {
+    const float b = s_bias[e];
+    bias_finite = bias_finite && isfinite(b);
+    s_bias_sw[split_slot(e / kSplitSpan, e % kSplitSpan)] = b;
+  }
+  const bool bias_ok = __syncthreads_and(bias_finite) != 0;  // NaN was staged as -inf
+  const float* my_bias = s_bias_sw + e0;
+
+  for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
+    if (c != blockIdx.x) span = chunk_span(p, c);
+    const int64_t s = span.s, jc = span.jc, t_begin = span.begin, t_end = span.end;
+    const int ntiles = static_cast<int>((t_end - t_begin + TPT - 1) / TPT);
+    float w_lse = 0.0f;
+    unsigned w_cnt = 0;
+
+    for (int k = warp; k < ntiles; k += kWarps) {  // warp-uniform
+      const int64_t t_first = t_begin + static_cast<int64_t>(k) * TPT;
+      const int nv = static_cast<int>(min(static_cast<int64_t>(TPT), t_end - t_first));
+      // The tile's rows are contiguous in global memory: quad g of it goes to slice g / 16, quad g % 16.
+      const float* src = logits + t_first * E;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int g = 32 * r + lane, owner = g >> 4;
+        if (owner / Q < nv) lean_copy16(tile + split_slot(owner, 4 * (g & 15)), src + 4 * g);
+      }
+      lean_commit();
+      lean_wait<0>();
+      __syncwarp();
+
+      // This lane's 64 experts in blocks of 8: exponentials, scores, sums, keys, running top-8 lists,
+      // the group top-2; the value the weights and statistics need goes back over the logit.
+      const bool valid = tt < nv;
+      float* mine = tile + lane * kSplitSpan;
+      Top8<uint32_t> top[NL];
+      float su[2] = {0.0f, 0.0f}, ss[2] = {0.0f, 0.0f};
+      float g1[GPT > 0 ? GPT : 1], g2[GPT > 0 ? GPT : 1];
+#pragma unroll
+      for (int g = 0; g < (GPT > 0 ? GPT : 1); ++g) g1[g] = g2[g] = -CUDART_INF_F;
+      // Block b of 8 experts into the keys k; g1 / g2 are the top-2 selection values of its group.
+      auto score_block = [&](int b, uint32_t(&key)[8], float& t1, float& t2) {
+        float x[8], bb[8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float4 v = *reinterpret_cast<const float4*>(mine + 4 * ((2 * b + h) ^ (lane & 7)));
+          x[4 * h] = v.x, x[4 * h + 1] = v.y, x[4 * h + 2] = v.z, x[4 * h + 3] = v.w;
+          if constexpr (kBias) {
+            const float4 w = split_lds128(my_bias + 4 * ((2 * b + h) ^ (q & 7)));
+            bb[4 * h] = w.x, bb[4 * h + 1] = w.y, bb[4 * h + 2] = w.z, bb[4 * h + 3] = w.w;
+          }
+        }
+        float val[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float u = lean_exp(x[i]);
+          float sel;
+          if constexpr (SF == kScoreSigmoid) {
+            const float sc = lean_sigmoid(u);
+            su[i & 1] += u;
+            ss[i & 1] += sc;
+            sel = kBias ? __fadd_rn(sc, bb[i]) : sc;
+            val[i] = sc;
+          } else {
+            su[i & 1] += u;
+            sel = u;
+            val[i] = u;
+          }
+          const uint32_t fk = kPositive ? __float_as_uint(sel) : order_key2(sel);
+          key[i] = (fk | IMK) - static_cast<uint32_t>(e0 + 8 * b + i);
+          if constexpr (GPT > 0) {
+            t2 = fmaxf(t2, fminf(t1, sel));
+            t1 = fmaxf(t1, sel);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float4*>(mine + 4 * ((2 * b + h) ^ (lane & 7))) =
+              make_float4(val[4 * h], val[4 * h + 1], val[4 * h + 2], val[4 * h + 3]);
+      };
+      // One list per group of 32 (GPT = 2), else one for the lane's 64. The blocks after a list's first
+      // stay a loop: unrolled, the compiler interleaved them and spilled the group kernels at 80 registers.
+      constexpr int BPL = 8 / NL;  // blocks per list
+#pragma unroll
+      for (int li = 0; li < NL; ++li) {
+        uint32_t key[8];
+        score_block(BPL * li, key, g1[li], g2[li]);
+        top8_init8(top[li], key);
+#pragma unroll 1
+        for (int b = BPL * li + 1; b < BPL * (li + 1); ++b) {
+          score_block(b, key, g1[li], g2[li]);
+          top8_add8(top[li], key);
+        }
+      }
+
+      __syncwarp();  // the written-back values of the token's other lanes, read by the slot lanes below
+
+      // The row's sums over its lanes (a butterfly: every lane of the token gets the same bits).
+      float S = su[0] + su[1], SS = ss[0] + ss[1];
+#pragma unroll
+      for (int o = 1; o < Q; o <<= 1) {
+        S += __shfl_xor_sync(kFull, S, o);
+        if constexpr (SF == kScoreSigmoid) SS += __shfl_xor_sync(kFull, SS, o);
+      }
+      bool fast = valid && bias_ok && S >= kLeanSumMin && S <= kLeanSumMax;
+
+      // Groups: composites (score key, 15 - group), distinct, so a group's rank is the number above it.
+      if constexpr (GPT > 0) {
+        uint32_t gk[GPT];
+        int rank[GPT];
+#pragma unroll
+        for (int m = 0; m < GPT; ++m) {
+          gk[m] = (order_key2(__fadd_rn(g1[m], g2[m])) & ~15u) | (15u - static_cast<uint32_t>(GPT * q + m));
+          rank[m] = 0;
+        }
+#pragma unroll
+        for (int r = 0; r < Q; ++r)
+#pragma unroll
+          for (int m2 = 0; m2 < GPT; ++m2) {
+            const uint32_t o = __shfl_sync(kFull, gk[m2], lead + r);
+#pragma unroll
+            for (int m = 0; m < GPT; ++m) rank[m] += o > gk[m] ? 1 : 0;
+          }
+        uint32_t lo_kept = 0xffffffffu, hi_dropped = 0u;
+#pragma unroll
+        for (int m = 0; m < GPT; ++m) {
+          const bool keep = rank[m] < p.group_topk;
+          lo_kept = keep ? min(lo_kept, gk[m]) : lo_kept;
+          hi_dropped = keep ? hi_dropped : max(hi_dropped, gk[m]);
+          const uint32_t km = keep ? 0xffffffffu : 0u;  // a dropped group's list: empty (0 = no key)
+          Top8<uint32_t>& t = top[NL == 2 ? m : 0];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) t.a[i] &= km;
+          t.a9 &= km;
+        }
+#pragma unroll
+        for (int o = 1; o < Q; o <<= 1) {
+          lo_kept = min(lo_kept, __shfl_xor_sync(kFull, lo_kept, o));
+          hi_dropped = max(hi_dropped, __shfl_xor_sync(kFull, hi_dropped, o));
+        }
+        // The kept/dropped boundary could hang on the dropped bits.
+        fast = fast && !(hi_dropped != 0u && (hi_dropped >> 4) == (lo_kept >> 4));
+        if constexpr (NL == 2) top8_merge(top[0], top[1].a, top[1].a9);
+      }
+
+      // The token's lists merged over its lanes: every lane ends with the token's top 8 and 9th.
+      Top8<uint32_t>& L = top[0];
+#pragma unroll
+      for (int o = 1; o < Q; o <<= 1) {
+        uint32_t other[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) other[i] = __shfl_xor_sync(kFull, L.a[i], o);
+        const uint32_t other9 = __shfl_xor_sync(kFull, L.a9, o);
+        top8_merge(L, other, other9);
+      }
+      // Picks K - 1 and K with equal truncated keys: which one is in the top K hangs on the dropped
+      // bits (the exact code decides). Equal truncated keys inside the top K only order the slots.
+      uint32_t last = 0xffffffffu, next = K == 8 ? L.a9 : 0u;  // picks K - 1 and K, by min / max (see split_pick)
+      bool reorder = false;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t after = i < 7 ? L.a[i + 1] : L.a9;
+        last = min(last, i < K ? L.a[i] : 0xffffffffu);
+        next = max(next, i >= K ? L.a[i] : 0u);
+        reorder = reorder || (i < K - 1 && (L.a[i] >> IBK) == (after >> IBK));
+      }
+      fast = fast && last != 0u && !(next != 0u && (last >> IBK) == (next >> IBK));
+
+      if (fast && reorder) {  // rare: the K picks by (full key, lower expert), from the written-back values
+        uint64_t full[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t id = IMK - (L.a[i] & IMK);
+          const float v = tile[split_slot(tt * Q + static_cast<int>(id) / kSplitSpan, id % kSplitSpan)];
+          const float sel = kBias ? __fadd_rn(v, s_bias[id]) : v;
+          const uint32_t fk = kPositive ? __float_as_uint(sel) : order_key2(sel);
+          full[i] = i < K ? (static_cast<uint64_t>(fk) << 32) | (0xffffffffu - id) : 0ull;
+        }
+        sort8_desc(full);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // still descending (split_pick relies on it): 8 - i above the rank bits
+          const uint32_t id = 0xffffffffu - static_cast<uint32_t>(full[i]);
+          L.a[i] = i < K ? (static_cast<uint32_t>(8 - i) << IBK) | (IMK - id) : 0u;
+        }
+      }
+
+      // Weights: lane q of the token writes slots q, q + Q, ...; the normalising sum over the K slots is
+      // taken over the token's lanes.
+      const float inv = rcp_rn_normal(S);
+      constexpr int SPL = (8 + Q - 1) / Q;  // slots per lane
+      float w[SPL];
+      int ids[SPL];
+      float wsum = 0.0f;
+#pragma unroll
+      for (int m = 0; m < SPL; ++m) {
+        const int slot = q + Q * m;
+        const bool used = slot < K;
+        const int id = static_cast<int>(IMK - (split_pick(L.a, used ? slot : 0) & IMK));
+        const float v = tile[split_slot(tt * Q + id / kSplitSpan, id % kSplitSpan)];
+        w[m] = used ? (SF == kScoreSoftmax ? v * inv : v) : 0.0f;
+        ids[m] = id;
+        wsum += w[m];
+      }
+#pragma unroll
+      for (int o = 1; o < Q; o <<= 1) wsum += __shfl_xor_sync(kFull, wsum, o);
+      const bool divide = p.normalize && wsum > 0.0f;
+      const float rw = divide ? rcp_approx(wsum) : 1.0f;
+      if (fast) {
+        const int64_t t = t_first + tt;
+#pragma unroll
+        for (int m = 0; m < SPL; ++m) {
+          const int slot = q + Q * m;
+          if (slot < K) store_slot(p, t * K + slot, ids[m], p.scale * (divide ? w[m] * rw : w[m]));
+        }
+      }
+
+      // Statistics: a row the fast path does not take (or past the chunk) adds zeros to the column pass.
+      if (!fast) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) reinterpret_cast<float4*>(mine)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      if (q == 0) {
+        const float lse = lg2_approx(S) * kLn2;
+        s_inv[warp][tt] = fast ? (SF == kScoreSigmoid ? rcp_rn_normal(SS) : inv) : 0.0f;
+        s_lse2[warp][tt] = fast ? lse * lse : 0.0f;
+      }
+      const unsigned fast_lanes = __ballot_sync(kFull, q == 0 && fast);
+      unsigned slow_lanes = __ballot_sync(kFull, q == 0 && valid && !fast);
+      __syncwarp();
+      if (want_prob) {  // into red, which no other lane writes until the exact rows below
+        float acc[CM];
+#pragma unroll
+        for (int m = 0; m < CM; ++m) acc[m] = red[32 * m + lane];
+#pragma unroll
+        for (int r = 0; r < TPT; ++r) {
+          const float ir = s_inv[warp][r];
+#pragma unroll
+          for (int m = 0; m < CM; ++m)
+            acc[m] = fmaf(tile[split_slot(r * Q + m / 2, 32 * (m & 1) + lane)], ir, acc[m]);
+        }
+#pragma unroll
+        for (int m = 0; m < CM; ++m) red[32 * m + lane] = acc[m];
+        if (slow_lanes != 0u) __syncwarp();  // before the exact rows add to other lanes' columns
+      }
+      if (want_scal) {
+#pragma unroll
+        for (int r = 0; r < TPT; ++r) w_lse += s_lse2[warp][r];
+        w_cnt += __popc(fast_lanes);
+      }
+      while (slow_lanes != 0u) {  // warp-uniform
+        const int b = __ffs(slow_lanes) - 1;
+        slow_lanes &= slow_lanes - 1;
+        lean_exact_token<V, SF>(p, lane, warp, s_bias, s_lane_gf, s_lane_jb, t_first + b / Q, red, &s_wlse[warp],
+                                &s_wcnt[warp]);
+      }
+      __syncwarp();  // every lane is done with the tile before the next copy overwrites it
+    }
+
+    // This chunk's statistics: the warps in order.
+    if (want_scal && lane == 0) {
+      s_wlse[warp] += w_lse;
+      s_wcnt[warp] += w_cnt;
+    }
+    __syncthreads();
+    allow_next_grid_before_stats(p);
+    commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
+                               want_prob, want_scal, merged);
+    __syncthreads();  // s_red, s_wlse and s_flag are reused by the next chunk
+    zero_warp_stats();
+  }
+  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);
+}
+
+}  // namespace epx::cuda::router_kernels
