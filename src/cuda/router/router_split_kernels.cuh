@@ -5,11 +5,11 @@
 // work is each lane's own arithmetic over its 64 experts instead of warp-wide reductions:
 //  - a warp's tile (32 / Q rows, 8 KB) is copied to shared memory with cp.async, each lane's 64 logits
 //    as 16 quads XOR-swizzled by the lane (so 8 lanes reading quad j of their own slices hit 8
-//    different bank groups); the exponentials, scores and keys are the lean kernel's
+//    different bank groups); the exponentials and scores are the lean kernel's
 //    (router_lean_kernels.cuh): no max subtraction, the fast path while S = sum exp(x) lies in
-//    [2^-30, 2^126], the same composite keys (the ranked value's key with its low 8 bits -- 9 at
-//    E = 512 -- replaced by 255 - e), so a row's picks and which rows need the exact code agree with
-//    lean's;
+//    [2^-30, 2^126]. Composite keys: a truncated key of the ranked value above the rank bits (255 - e,
+//    8 bits; 9 at E = 512) -- for softmax the top bits of u = exp(x) (lean's keys), for sigmoid a fixed
+//    point over the selection values' range (see kFixedKey);
 //  - top-k by sorting networks on the lane's registers (router_topk_network.cuh): blocks of 8 keys are
 //    sorted and merged into a running top-8 that also keeps the largest key it let go (the 9th, which
 //    says whether the 8th pick is certain); then the token's lanes merge their lists with xor
@@ -95,8 +95,14 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
   constexpr int NL = GPT == 2 ? 2 : 1;  // running top-8 lists per lane
   static_assert(SF == kScoreSoftmax ? (!kBias && GPT == 0) : SF == kScoreSigmoid, "unsupported scores");
   static_assert(GPT >= 0 && GPT <= 2, "0, 1 or 2 groups per lane");
-  // Keys from the ranked values' own bits where they cannot be negative (no bias).
+  // Full keys (the re-sort of tied picks) from the ranked values' own bits where they cannot be negative
+  // (no bias), else their order keys.
   constexpr bool kPositive = !kBias;
+  // Sigmoid selection values lie in [min b, 1 + max b] (0 and 1 without a bias): their truncated keys are
+  // fixed point over that range (32 - IBK bits), which resolves scores near 1 ~2^7 times finer than a
+  // float's top bits and makes ties of truncated keys (re-sorts, exact rows) that much rarer. Softmax
+  // ranks u = exp(x), whose range is the float's.
+  constexpr bool kFixedKey = SF == kScoreSigmoid;
 
   extern __shared__ __align__(16) float s_tiles[];  // [kWarps][kSplitTile]
   __shared__ __align__(16) float s_red[kWarps][E];
@@ -149,6 +155,30 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
   }
   const bool bias_ok = __syncthreads_and(bias_finite) != 0;  // NaN was staged as -inf
   const float* my_bias = s_bias_sw + e0;
+  // The fixed-point map sel -> sel * key_scale + key_off (monotone; F2I saturates below 0), its top kept
+  // 2^6 units under 2^(32 - IBK) so that rounding cannot carry into the rank bits. Every warp reduces the
+  // bias on its own (no barrier); a non-finite bias sends every row to the exact code anyway.
+  float key_scale = 0.0f, key_off = 0.0f;
+  if constexpr (kFixedKey) {
+    float lo = 0.0f, hi = 0.0f;
+    if constexpr (kBias) {
+      lo = CUDART_INF_F;
+      hi = -CUDART_INF_F;
+      for (int e = lane; e < E; e += 32) {
+        lo = fminf(lo, s_bias[e]);
+        hi = fmaxf(hi, s_bias[e]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(kFull, lo, o));
+        hi = fmaxf(hi, __shfl_xor_sync(kFull, hi, o));
+      }
+    }
+    const float range = (hi + 1.0f) - lo;  // >= 1
+    key_scale = bias_ok ? static_cast<float>((1u << (32 - IBK)) - 64u) / range : 0.0f;
+    key_off = -lo * key_scale;
+  }
+  const uint32_t rank_base = IMK - static_cast<uint32_t>(e0);
 
   for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
     if (c != blockIdx.x) span = chunk_span(p, c);
@@ -208,8 +238,12 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
             sel = u;
             val[i] = u;
           }
-          const uint32_t fk = kPositive ? __float_as_uint(sel) : order_key2(sel);
-          key[i] = (fk | IMK) - static_cast<uint32_t>(e0 + 8 * b + i);
+          if constexpr (kFixedKey) {
+            const uint32_t f = __float2uint_rz(fmaf(sel, key_scale, key_off));
+            key[i] = (f << IBK) + (rank_base - static_cast<uint32_t>(8 * b + i));
+          } else {
+            key[i] = (__float_as_uint(sel) | IMK) - static_cast<uint32_t>(e0 + 8 * b + i);
+          }
           if constexpr (GPT > 0) {
             t2 = fmaxf(t2, fminf(t1, sel));
             t1 = fmaxf(t1, sel);
@@ -223,12 +257,13 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
       // One list per group of 32 (GPT = 2), else one for the lane's 64. The blocks after a list's first
       // stay a loop: unrolled, the compiler interleaved them and spilled the group kernels at 80 registers.
       constexpr int BPL = 8 / NL;  // blocks per list
+      constexpr int kBlockUnroll = GPT == 0 ? 8 : 2;
 #pragma unroll
       for (int li = 0; li < NL; ++li) {
         uint32_t key[8];
         score_block(BPL * li, key, g1[li], g2[li]);
         top8_init8(top[li], key);
-#pragma unroll 1
+#pragma unroll kBlockUnroll
         for (int b = BPL * li + 1; b < BPL * (li + 1); ++b) {
           score_block(b, key, g1[li], g2[li]);
           top8_add8(top[li], key);
