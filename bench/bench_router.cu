@@ -11,14 +11,15 @@
 // same calls launched one by one on a stream. Runs in a few seconds.
 //
 // Options select forward cases (for a profiler, or a quick A/B): --case NAME (e.g. softmax_top8),
-// --dtype fp32|bf16, --stats 0|1|2, --kernel split|lean|wide|fast|fast1|legacy, --rows random|separated. With
+// --dtype fp32|bf16, --stats 0|1|2, --kernel auto|split|lean|wide|fast|fast1|legacy, --rows random|separated. With
 // any of them given, only the matching route_forward lines run (no backward, no small ops). "separated"
 // rows (host_separated) leave the kernels' exact fallback nothing to do; the line says "rows".
 //
 // route_forward is timed with each kernel, so one GPU run can choose on evidence (the default,
-// "auto", picks lean or wide from these lines): "wide" = two tokens per warp with fast exponentials,
-// where the shape allows, else fast1; "lean" = one token per warp, no max subtraction, fp32 logits
-// with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with one token per warp;
+// "auto", picks split, lean or wide from these lines, and is timed too): "split" = a token over E / 64
+// lanes, top-8 by sorting networks, fp32 logits with E in {128, 256, 512}, K <= 8; "wide" = two tokens
+// per warp with fast exponentials, where the shape allows, else fast1; "lean" = one token per warp, no
+// max subtraction, fp32 logits with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with one token per warp;
 // "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel.
 //
 // Prediction for "lean" (2026-11-24, before any GPU run; from SASS of the token loop, fast path):
@@ -304,7 +305,7 @@ bool parse_filter(int argc, char** argv, Filter& f) {
       if (!one_of(opt, v, {"0", "1", "2"})) return false;
       f.stats = v[0] - '0';
     } else if (!std::strcmp(opt, "--kernel")) {
-      if (!one_of(opt, v, {"split", "lean", "wide", "fast", "fast1", "legacy"})) return false;
+      if (!one_of(opt, v, {"auto", "split", "lean", "wide", "fast", "fast1", "legacy"})) return false;
       f.kernel = v;
     } else if (!std::strcmp(opt, "--rows")) {
       if (!one_of(opt, v, {"random", "separated"})) return false;
@@ -398,7 +399,8 @@ int main(int argc, char** argv) {
     }
     for (const Case& k : fwd)
       for (epx::cuda::RouterKernel kern :
-           {epx::cuda::RouterKernel::kSplit, epx::cuda::RouterKernel::kLean, epx::cuda::RouterKernel::kWide,
+           {epx::cuda::RouterKernel::kAuto, epx::cuda::RouterKernel::kSplit, epx::cuda::RouterKernel::kLean,
+            epx::cuda::RouterKernel::kWide,
             epx::cuda::RouterKernel::kFast, epx::cuda::RouterKernel::kFastOneTokenPerWarp,
             epx::cuda::RouterKernel::kLegacy}) {
         // Only where split / lean serve the shape (elsewhere another kernel would run under their name);

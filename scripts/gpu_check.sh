@@ -54,9 +54,10 @@
 # PyTorch layers (default: deepseek-v3 mixtral).
 # router is the router's whole check in one step, for a build of the two binaries it needs
 # (`TARGETS="epx_tests_gpu bench_router" scripts/gpu_check.sh build router`): the router GPU tests
-# (router_tests.log), memcheck over the lean kernel's tests (router_memcheck.log), bench_router beside
-# PyTorch's two routes (router.jsonl), and, where Nsight Compute is installed, a report of the lean and
-# wide kernels at T = 16384 for softmax top-8 and DeepSeek-V3 (ncu_router_{lean,wide}_{softmax,dsv3}.*).
+# (router_tests.log), memcheck over the lean and split kernels' tests (router_memcheck.log), bench_router
+# beside PyTorch's two routes (router.jsonl), and, where Nsight Compute is installed, a report of the split,
+# lean and wide kernels at T = 16384 for softmax top-8 and DeepSeek-V3
+# (ncu_router_{split,lean,wide}_{softmax,dsv3}.*).
 # ncu profiles the router's and prepare's kernels with Nsight Compute (T = 16384 softmax top-8 and the
 # DeepSeek-V3 router, fp32 logits; T = 4096 prepare) and writes each report's details and per-instruction SASS counters as text.
 # python runs the Python package's pytest suites from the build tree (python_tests.log; PY_TESTS narrows
@@ -194,6 +195,8 @@ if has router; then
       rm -f "$OUT/ncu_router_$1.ncu-rep"
     }
     # Demangled template arguments may read (int)8 or (bool)1: the patterns allow either spelling.
+    ncu_router split_softmax 'route_forward_split_kernel<[^,]*256, [^,]*0, [^,]*(false|0), [^,]*0>'
+    ncu_router split_dsv3 'route_forward_split_kernel<[^,]*256, [^,]*2, [^,]*(true|1), [^,]*2>'
     ncu_router lean_softmax 'route_forward_lean_kernel<[^,]*8, [^,]*0, [^,]*3, [^,]*(false|0), [^,]*(false|0)>'
     ncu_router lean_dsv3 'route_forward_lean_kernel<[^,]*8, [^,]*2, [^,]*3, [^,]*(true|1), [^,]*(true|1)>'
     ncu_router wide_softmax 'route_forward_wide_kernel<[^,]*16, float, [^,]*0>'

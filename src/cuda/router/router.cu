@@ -358,7 +358,12 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   const bool auto_lean = want == RouterKernel::kAuto && c.score_function != ScoreFunction::kSoftmaxAfterTopk &&
                          T >= kAutoLeanMinTokens;
   const int sf = score_kind(c.score_function);
-  const bool split = want == RouterKernel::kSplit && split_router_supports(p, bf16, sf);
+  // auto: split over the same rows where it serves the shape, but for softmax at E = 256, where the two
+  // are level (H200, bench_router, T = 16384: sigmoid / DeepSeek-V3 0.75x lean's time, E = 512 0.66x,
+  // softmax E = 128 0.85x, E = 512 0.92x, E = 256 1.00-1.01x).
+  const bool auto_split = want == RouterKernel::kAuto && T >= kAutoLeanMinTokens &&
+                          (sf == rk::kScoreSigmoid || E != 256);
+  const bool split = (want == RouterKernel::kSplit || auto_split) && split_router_supports(p, bf16, sf);
   const bool lean = !split && (want == RouterKernel::kLean || want == RouterKernel::kSplit || auto_lean) &&
                     lean_router_supports(p, bf16);
   const bool wide = !split && !lean &&

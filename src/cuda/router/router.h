@@ -30,9 +30,10 @@ constexpr int kRouterMaxGroups = 16;
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
-/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: "lean" for
-/// softmax and sigmoid scores over at least 8192 rows where lean serves the shape, else "wide";
-/// chosen on the H200 timings in bench/NOTES.md), "wide" (two tokens per warp with fast exponentials,
+/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: over at least 8192
+/// rows "split" where it serves the shape, but for softmax at E = 256, then "lean" for softmax and
+/// sigmoid scores where lean serves the shape, else "wide"; chosen on the H200 timings in
+/// bench/NOTES.md), "wide" (two tokens per warp with fast exponentials,
 /// where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned rows, groups of 32/64/128
 /// experts -- else "fast1"), "lean" (one token per warp with fast exponentials and no max
 /// subtraction, fp32 logits, E in {128, 256, 512}, groups a power-of-two number of 32nds of E; rows
