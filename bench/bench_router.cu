@@ -19,8 +19,9 @@
 // "auto", picks split, lean or wide from these lines, and is timed too): "split" = a token over E / 64
 // lanes, top-8 by sorting networks, fp32 logits with E in {128, 256, 512}, K <= 8; "wide" = two tokens
 // per warp with fast exponentials, where the shape allows, else fast1; "lean" = one token per warp, no
-// max subtraction, fp32 logits with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel with one token per warp;
-// "fast" = two tokens per warp where the shape allows; "legacy" = the earlier kernel.
+// max subtraction, fp32 logits with E in {128, 256, 512} only; "fast1" = the bit-exact fast kernel
+// with one token per warp; "fast" = two tokens per warp where the shape allows; "legacy" = the earlier
+// kernel.
 //
 // Prediction for "lean" (2026-11-24, before any GPU run; from SASS of the token loop, fast path):
 // ~283 warp instructions per token at softmax top-8 with statistics (wide: 428 under ncu) and

@@ -140,8 +140,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 std::atomic<int> g_router_kernel{-1};  // -1: not resolved yet, else a RouterKernel
 
-// The fewest rows for which "auto" runs the lean kernel (about 2.6 rows per resident warp).
-constexpr int64_t kAutoLeanMinTokens = 8192;
+// The fewest rows for which "auto" runs the lean kernel (about 1.3 rows per resident warp), and the split
+// kernel for softmax scores (it takes sigmoid scores at any T).
+constexpr int64_t kAutoLeanMinTokens = 4096;
+constexpr int64_t kAutoSplitSoftmaxMinTokens = 8192;
+constexpr int64_t kAutoLeanAfterTopkMinTokens = 16384;
 
 RouterKernel resolve_router_kernel() {
   int k = g_router_kernel.load(std::memory_order_relaxed);
@@ -352,17 +355,19 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   // not served.
   const bool bf16 = logits.dtype() == DType::kBF16;
   const RouterKernel want = resolve_router_kernel();
-  // auto: lean for softmax / sigmoid scores over at least kAutoLeanMinTokens rows (H200, bench_router:
-  // 0.94-0.97x wide's time at T = 16384, E = 256, 0.79x at E = 512; 1.07x at T = 4096 softmax, 1.11x
-  // at T = 128, 1.02x for softmax after top-k), else wide.
-  const bool auto_lean = want == RouterKernel::kAuto && c.score_function != ScoreFunction::kSoftmaxAfterTopk &&
-                         T >= kAutoLeanMinTokens;
+  // auto (H200, bench_router, fp32 logits, same runs): split where it serves sigmoid scores (DeepSeek-V3,
+  // T = 16384 / 4096 / 128: 0.75x lean's time / 0.79x wide's / 0.97x wide's; E = 512 0.66x lean's) and
+  // softmax scores over at least kAutoSplitSoftmaxMinTokens rows but at E = 256, where split and lean are
+  // level (T = 16384: E = 128 0.85x lean's, E = 512 0.92x, E = 256 1.00-1.01x; T = 4096, E = 256 1.04x);
+  // else lean for softmax / sigmoid scores over at least kAutoLeanMinTokens rows (0.88x wide's at T = 4096
+  // softmax, 0.86x at T = 16384) and for softmax after top-k over at least kAutoLeanAfterTopkMinTokens
+  // (0.94x wide's at T = 16384, the only size timed); else wide.
+  const int64_t lean_min_rows =
+      c.score_function == ScoreFunction::kSoftmaxAfterTopk ? kAutoLeanAfterTopkMinTokens : kAutoLeanMinTokens;
+  const bool auto_lean = want == RouterKernel::kAuto && T >= lean_min_rows;
   const int sf = score_kind(c.score_function);
-  // auto: split over the same rows where it serves the shape, but for softmax at E = 256, where the two
-  // are level (H200, bench_router, T = 16384: sigmoid / DeepSeek-V3 0.75x lean's time, E = 512 0.66x,
-  // softmax E = 128 0.85x, E = 512 0.92x, E = 256 1.00-1.01x).
-  const bool auto_split = want == RouterKernel::kAuto && T >= kAutoLeanMinTokens &&
-                          (sf == rk::kScoreSigmoid || E != 256);
+  const bool auto_split = want == RouterKernel::kAuto &&
+                          (sf == rk::kScoreSigmoid || (T >= kAutoSplitSoftmaxMinTokens && E != 256));
   const bool split = (want == RouterKernel::kSplit || auto_split) && split_router_supports(p, bf16, sf);
   const bool lean = !split && (want == RouterKernel::kLean || want == RouterKernel::kSplit || auto_lean) &&
                     lean_router_supports(p, bf16);

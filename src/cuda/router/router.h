@@ -30,10 +30,10 @@ constexpr int kRouterMaxGroups = 16;
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
-/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: over at least 8192
-/// rows "split" where it serves the shape, but for softmax at E = 256, then "lean" for softmax and
-/// sigmoid scores where lean serves the shape, else "wide"; chosen on the H200 timings in
-/// bench/NOTES.md), "wide" (two tokens per warp with fast exponentials,
+/// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: "split" where it
+/// serves the shape for sigmoid scores, and for softmax scores over at least 8192 rows but at E = 256;
+/// else "lean" where it serves the shape over at least 4096 rows (16384 for softmax after top-k); else
+/// "wide"; chosen on the H200 timings in bench/NOTES.md), "wide" (two tokens per warp with fast exponentials,
 /// where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned rows, groups of 32/64/128
 /// experts -- else "fast1"), "lean" (one token per warp with fast exponentials and no max
 /// subtraction, fp32 logits, E in {128, 256, 512}, groups a power-of-two number of 32nds of E; rows
@@ -45,8 +45,8 @@ constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice
 /// kernel), kept so that a GPU run and the tests can compare them. fast, fast1 and legacy give the
 /// same topk_idx and topk_weights bits; wide, lean and split agree with them (and the reference) on the
 /// selection of well-separated scores and on weights within a few 1e-6 relative
-/// (router_wide_kernels.cuh, router_lean_kernels.cuh, router_split_kernels.cuh). prob_sum and scalars[0] differ between kernels
-/// in rounding; each is deterministic run to run.
+/// (router_wide_kernels.cuh, router_lean_kernels.cuh, router_split_kernels.cuh). prob_sum and
+/// scalars[0] differ between kernels in rounding; each is deterministic run to run.
 enum class RouterKernel : int {
   kFast = 0,
   kFastOneTokenPerWarp = 1,
