@@ -190,16 +190,19 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
     for (int k = warp; k < ntiles; k += kWarps) {  // warp-uniform
       const int64_t t_first = t_begin + static_cast<int64_t>(k) * TPT;
       const int nv = static_cast<int>(min(static_cast<int64_t>(TPT), t_end - t_first));
-      // The tile's rows are contiguous in global memory: quad g of it goes to slice g / 16, quad g % 16.
+      // The tile's rows are contiguous in global memory (slice o = floats [64 o, 64 o + 64)). Four copy groups,
+      // quarter c holding quads 4 c .. 4 c + 3 of every slice: blocks 2 c and 2 c + 1 start as soon as their
+      // quarter has landed, while the later quarters (requested after it) are still on their way.
       const float* src = logits + t_first * E;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int g = 32 * r + lane, owner = g >> 4;
-        if (owner / Q < nv) lean_copy16(tile + split_slot(owner, 4 * (g & 15)), src + 4 * g);
+      for (int c = 0; c < 4; ++c) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int owner = 8 * r + (lane >> 2), j = 4 * c + (lane & 3);
+          if (owner / Q < nv) lean_copy16(tile + split_slot(owner, 4 * j), src + kSplitSpan * owner + 4 * j);
+        }
+        lean_commit();
       }
-      lean_commit();
-      lean_wait<0>();
-      __syncwarp();
 
       // This lane's 64 experts in blocks of 8: exponentials, scores, sums, keys, running top-8 lists,
       // the group top-2; the value the weights and statistics need goes back over the logit.
@@ -212,6 +215,15 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
       for (int g = 0; g < (GPT > 0 ? GPT : 1); ++g) g1[g] = g2[g] = -CUDART_INF_F;
       // Block b of 8 experts into the keys k; g1 / g2 are the top-2 selection values of its group.
       auto score_block = [&](int b, uint32_t(&key)[8], float& t1, float& t2) {
+        if (b % 2 == 0) {  // quarter b / 2 of every slice has landed (other lanes copied parts of this one)
+          switch (b / 2) {
+            case 0: lean_wait<3>(); break;
+            case 1: lean_wait<2>(); break;
+            case 2: lean_wait<1>(); break;
+            default: lean_wait<0>(); break;
+          }
+          __syncwarp();
+        }
         float x[8], bb[8];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
