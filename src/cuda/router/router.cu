@@ -356,18 +356,17 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   const bool bf16 = logits.dtype() == DType::kBF16;
   const RouterKernel want = resolve_router_kernel();
   // auto (H200, bench_router, fp32 logits, same runs): split where it serves sigmoid scores (DeepSeek-V3,
-  // T = 16384 / 4096 / 128: 0.75x lean's time / 0.79x wide's / 0.97x wide's; E = 512 0.66x lean's) and
-  // softmax scores over at least kAutoSplitSoftmaxMinTokens rows but at E = 256, where split and lean are
-  // level (T = 16384: E = 128 0.85x lean's, E = 512 0.92x, E = 256 1.00-1.01x; T = 4096, E = 256 1.04x);
-  // else lean for softmax / sigmoid scores over at least kAutoLeanMinTokens rows (0.88x wide's at T = 4096
-  // softmax, 0.86x at T = 16384) and for softmax after top-k over at least kAutoLeanAfterTopkMinTokens
-  // (0.94x wide's at T = 16384, the only size timed); else wide.
+  // T = 16384 / 4096 / 128: 0.71x lean's time / 0.79x wide's / 0.97x wide's; E = 512 0.66x lean's) and
+  // softmax scores over at least kAutoSplitSoftmaxMinTokens rows (T = 16384: E = 256 0.94x lean's, E = 128
+  // 0.85x, E = 512 0.92x; at T = 4096 lean was ahead, 8.6 against 9.0 us, before the split kernel's tile
+  // arrived in quarters); else lean for softmax / sigmoid scores over at least kAutoLeanMinTokens rows
+  // (0.88x wide's at T = 4096 softmax, 0.86x at T = 16384) and for softmax after top-k over at least
+  // kAutoLeanAfterTopkMinTokens (0.94x wide's at T = 16384, the only size timed); else wide.
   const int64_t lean_min_rows =
       c.score_function == ScoreFunction::kSoftmaxAfterTopk ? kAutoLeanAfterTopkMinTokens : kAutoLeanMinTokens;
   const bool auto_lean = want == RouterKernel::kAuto && T >= lean_min_rows;
   const int sf = score_kind(c.score_function);
-  const bool auto_split = want == RouterKernel::kAuto &&
-                          (sf == rk::kScoreSigmoid || (T >= kAutoSplitSoftmaxMinTokens && E != 256));
+  const bool auto_split = want == RouterKernel::kAuto && (sf == rk::kScoreSigmoid || T >= kAutoSplitSoftmaxMinTokens);
   const bool split = (want == RouterKernel::kSplit || auto_split) && split_router_supports(p, bf16, sf);
   const bool lean = !split && (want == RouterKernel::kLean || want == RouterKernel::kSplit || auto_lean) &&
                     lean_router_supports(p, bf16);

@@ -31,7 +31,7 @@ constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
 
 /// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: "split" where it
-/// serves the shape for sigmoid scores, and for softmax scores over at least 8192 rows but at E = 256;
+/// serves the shape for sigmoid scores, and for softmax scores over at least 8192 rows;
 /// else "lean" where it serves the shape over at least 4096 rows (16384 for softmax after top-k); else
 /// "wide"; chosen on the H200 timings in bench/NOTES.md), "wide" (two tokens per warp with fast exponentials,
 /// where the shape allows -- fp32 logits, E in {64, 128, 256}, aligned rows, groups of 32/64/128
