@@ -6,11 +6,11 @@
 //  - a warp's tile (32 / Q rows, 8 KB) is copied to shared memory with cp.async, each lane's 64 logits
 //    as 16 quads XOR-swizzled by the lane (so 8 lanes reading quad j of their own slices hit 8
 //    different bank groups), in four quarters that each start two blocks of 8 experts as they land
-//    (an SM requests all its tiles at once: whole tiles landed together, at the end); the exponentials and scores are the lean kernel's
-//    (router_lean_kernels.cuh): no max subtraction, the fast path while S = sum exp(x) lies in
-//    [2^-30, 2^126]. Composite keys: a truncated key of the ranked value above the rank bits (255 - e,
-//    8 bits; 9 at E = 512) -- for softmax the top bits of u = exp(x) (lean's keys), for sigmoid a fixed
-//    point over the selection values' range (see kFixedKey);
+//    (an SM requests all its tiles at once: whole tiles landed together, at the end); the exponentials
+//    and scores are the lean kernel's (router_lean_kernels.cuh): no max subtraction, the fast path while
+//    S = sum exp(x) lies in [2^-30, 2^126]. Composite keys: a truncated key of the ranked value above
+//    the rank bits (255 - e, 8 bits; 9 at E = 512) -- for softmax the top bits of u = exp(x) (lean's
+//    keys), for sigmoid a fixed point over the selection values' range (see kFixedKey);
 //  - top-k by sorting networks on the lane's registers (router_topk_network.cuh): blocks of 8 keys are
 //    sorted and merged into a running top-8 that also keeps the largest key it let go (the 9th, which
 //    says whether the 8th pick is certain); then the token's lanes merge their lists with xor
