@@ -75,11 +75,20 @@ TEST(TopkNetwork, RunningTop8KeepsTheLargestAndTheNinth) {
   }
 }
 
-TEST(TopkNetwork, ClearedListMergesAsEmpty) {
-  rk::Top8<uint32_t> a, empty;
-  rk::top8_clear(empty);
+// A dropped group's list (top8_keep_if(.., false)) merges as nothing; a kept one is left as it was.
+TEST(TopkNetwork, DroppedListMergesAsEmpty) {
+  rk::Top8<uint32_t> a, empty, kept;
+  uint32_t k0[8] = {4, 6, 11, 10, 12, 13, 14, 15};
+  rk::top8_init8(empty, k0);
+  rk::top8_keep_if(empty, false);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(empty.a[i], 0u);
+  EXPECT_EQ(empty.a9, 0u);
   uint32_t k[8] = {5, 9, 1, 7, 3, 3, 8, 2};
   rk::top8_init8(a, k);
+  kept = a;
+  rk::top8_keep_if(kept, true);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(kept.a[i], a.a[i]);
+  EXPECT_EQ(kept.a9, a.a9);
   rk::top8_merge(empty, a.a, a.a9);
   const uint32_t want[8] = {9, 8, 7, 5, 3, 3, 2, 1};
   for (int i = 0; i < 8; ++i) EXPECT_EQ(empty.a[i], want[i]);

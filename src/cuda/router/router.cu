@@ -350,9 +350,9 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   p.idx64 = topk_idx.dtype() == DType::kI64;
   p.normalize = c.normalize_weights;
   p.scale = c.routed_scaling_factor;
-  // The wide and lean kernels run one chunk per block (2 / 3 blocks per SM at E = 256); the others
-  // up to kMaxChunks blocks. Lean falls back to wide, then to the fast kernels, where its shape is
-  // not served.
+  // The split, lean and wide kernels run one chunk per block (2 / 3 / 2 blocks per SM at E = 256); the
+  // others up to kMaxChunks blocks. Split falls back to lean, lean to wide, then to the fast kernels, where
+  // a shape is not served.
   const bool bf16 = logits.dtype() == DType::kBF16;
   const RouterKernel want = resolve_router_kernel();
   // auto (H200, bench_router, fp32 logits, same runs): split where it serves sigmoid scores (DeepSeek-V3,
@@ -375,7 +375,7 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
                      want == RouterKernel::kAuto) &&
                     wide_router_supports(p, bf16);
   p.trigger = router_trigger(lean || split);
-  const int64_t max_chunks = split  ? std::min<int64_t>(rk::kMaxChunks, split_router_blocks(E))
+  const int64_t max_chunks = split  ? std::min<int64_t>(rk::kMaxChunks, split_router_blocks())
                              : lean ? std::min<int64_t>(rk::kMaxChunks, lean_router_blocks(E))
                              : wide ? std::min<int64_t>(rk::kMaxChunks, wide_router_blocks())
                                     : rk::kMaxChunks;

@@ -51,9 +51,7 @@ bool split_router_supports(const rk::FwdParams& p, bool bf16, int sf) {
   return p.G <= 1 || (p.per * p.G == p.E && (p.per == 32 || p.per == 64));
 }
 
-int split_router_blocks(int E) {
-  return sm_count() * (E >= 512 ? rk::SplitShape<512>::kMinBlocks : rk::SplitShape<256>::kMinBlocks);
-}
+int split_router_blocks() { return sm_count() * rk::kSplitBlocksPerSm; }
 
 void launch_route_forward_split(int sf, int grid, cudaStream_t s, const rk::FwdParams& p) {
   switch (p.E) {

@@ -14,7 +14,7 @@ namespace epx::cuda {
 bool split_router_supports(const router_kernels::FwdParams& p, bool bf16, int sf);
 
 /// Blocks the split kernel wants on this device (its chunks of tokens: one per block).
-int split_router_blocks(int E);
+int split_router_blocks();
 
 /// Queues the split kernel on `stream`; the shape must be supported.
 void launch_route_forward_split(int sf, int grid, cudaStream_t stream, const router_kernels::FwdParams& p);

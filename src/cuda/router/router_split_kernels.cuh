@@ -51,10 +51,11 @@ struct SplitShape {
   static constexpr int TPT = 32 / Q;        // tokens per tile
   static constexpr int IBK = E <= 256 ? 8 : 9;
   static constexpr uint32_t IMK = (1u << IBK) - 1u;
-  // Two blocks an SM: each holds 64 KB of tiles and ~12 KB of static arrays (16 KB of statistics rows at
-  // E = 512), so a third block would pass the SM's 228 KB (tried: the grid then ran in two waves).
-  static constexpr int kMinBlocks = 2;
 };
+
+// Two blocks an SM at every E: each holds 64 KB of tiles and ~12 KB of static arrays (16 KB of statistics
+// rows at E = 512), so a third block would pass the SM's 228 KB (tried: the grid then ran in two waves).
+constexpr int kSplitBlocksPerSm = 2;
 
 // Dynamic shared memory of a block: each warp's tile.
 constexpr int split_smem_bytes() { return kWarps * kSplitTile * static_cast<int>(sizeof(float)); }
@@ -65,7 +66,9 @@ __device__ __forceinline__ int split_slot(int owner, int i) {
 }
 
 // A 16-byte shared-memory load the compiler may not hoist out of the tile loop: the swizzled bias is the
-// same for every tile, and 64 hoisted bias registers spilled the group kernels.
+// same for every tile, and hoisted it would hold up to 64 registers across the loop. (The spills this was
+// written against came from interleaved blocks, see BPL below; plain loads change the code of six of
+// the bias instantiations, which were not timed that way, so the volatile load stays.)
 __device__ __forceinline__ float4 split_lds128(const float* p) {
   float4 v;
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -86,7 +89,7 @@ __device__ __forceinline__ uint32_t split_pick(const uint32_t (&a)[8], int s) {
 // groups; sigmoid: GPT = 0 (no groups), 1 (groups of 64) or 2 (groups of 32) groups per lane;
 // split_smem_bytes() of dynamic shared memory.
 template <int E, int SF, bool kBias, int GPT>
-__global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
+__global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
     route_forward_split_kernel(const __grid_constant__ FwdParams p) {
   using Sh = SplitShape<E>;
   constexpr int Q = Sh::Q, TPT = Sh::TPT, IBK = Sh::IBK;
@@ -317,11 +320,7 @@ __global__ void __launch_bounds__(kThreads, SplitShape<E>::kMinBlocks)
           const bool keep = rank[m] < p.group_topk;
           lo_kept = keep ? min(lo_kept, gk[m]) : lo_kept;
           hi_dropped = keep ? hi_dropped : max(hi_dropped, gk[m]);
-          const uint32_t km = keep ? 0xffffffffu : 0u;  // a dropped group's list: empty (0 = no key)
-          Top8<uint32_t>& t = top[NL == 2 ? m : 0];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) t.a[i] &= km;
-          t.a9 &= km;
+          top8_keep_if(top[NL == 2 ? m : 0], keep);  // a dropped group's list: empty
         }
 #pragma unroll
         for (int o = 1; o < Q; o <<= 1) {

@@ -54,10 +54,12 @@ struct Top8 {
   T a9;
 };
 
+// t as it is where keep, else empty (every key 0), without a branch.
 template <class T>
-EPX_HOST_DEVICE inline void top8_clear(Top8<T>& t) {
-  for (int i = 0; i < 8; ++i) t.a[i] = T(0);
-  t.a9 = T(0);
+EPX_HOST_DEVICE inline void top8_keep_if(Top8<T>& t, bool keep) {
+  const T mask = keep ? ~T(0) : T(0);
+  for (int i = 0; i < 8; ++i) t.a[i] &= mask;
+  t.a9 &= mask;
 }
 
 // t := the top 8 of t and b (both sorted descending), b9 being what b let go. The larger of a[i] and
