@@ -76,6 +76,40 @@ __device__ __forceinline__ float4 split_lds128(const float* p) {
   return v;
 }
 
+// Puts a warp's tile in flight: nv of its 32 / Q rows, contiguous from src, as four cp.async groups, group c
+// holding quads 4 c .. 4 c + 3 of every slice (slice o at split_slot(o, .)). Lane l copies quad 4 c + l % 4 of
+// slices 8 r + l / 4 (r = 0..3); with x = (l / 4) % 8 that quad lands at 4 (c ^ (x / 4)) + (l % 4 ^ x % 4), i.e.
+// c or c ^ 1 by lane, so the 16 copies are one global and two shared base addresses plus constant offsets (the
+// generic split_slot arithmetic per copy cost ~200 instructions a tile).
+template <int Q>
+__device__ __forceinline__ void split_issue_tile(float* tile, const float* src, int lane, int nv) {
+  constexpr int TPT = 32 / Q;
+  const int slice = lane >> 2, l4 = lane & 3;
+  const float* g = src + kSplitSpan * slice + 4 * l4;
+  float* s = tile + kSplitSpan * slice + 4 * (l4 ^ (slice & 3));
+  const int flip = 16 * ((slice >> 2) & 1);
+  float* s_even = s + flip;  // quarters 0 and 2
+  float* s_odd = s - flip;   // quarters 1 and 3
+  if (nv == TPT) {  // two paths: predicated copies had their addresses recomputed one by one under the predicate
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        lean_copy16((c & 1 ? s_odd : s_even) + 8 * kSplitSpan * r + 16 * c, g + 8 * kSplitSpan * r + 16 * c);
+      lean_commit();
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        if ((8 * r + slice) / Q < nv)
+          lean_copy16((c & 1 ? s_odd : s_even) + 8 * kSplitSpan * r + 16 * c, g + 8 * kSplitSpan * r + 16 * c);
+      lean_commit();
+    }
+  }
+}
+
 // Element s (0..7, runtime) of a descending list in registers: the least of its first s + 1. (A chain
 // of selects on i == s was turned into an indexed load from a local-memory copy of the list.)
 __device__ __forceinline__ uint32_t split_pick(const uint32_t (&a)[8], int s) {
@@ -133,7 +167,11 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   float* tile = s_tiles + warp * kSplitTile;
   float* red = &s_red[warp][0];
   const bool merged = stats_merged(p, want_prob, want_scal);
-  ChunkSpan span = chunk_span(p, blockIdx.x);
+  ChunkSpan span = chunk_span(p, blockIdx.x);  // before the wait below: no global memory read yet
+  auto tile_rows = [&](int k) {  // rows of the chunk's tile k (the chunk's last tile may be short)
+    return static_cast<int>(min(static_cast<int64_t>(TPT), span.end - (span.begin + static_cast<int64_t>(k) * TPT)));
+  };
+  const bool has_first_tile = blockIdx.x < p.nchunks && span.begin + static_cast<int64_t>(warp) * TPT < span.end;
   auto zero_warp_stats = [&] {
 #pragma unroll
     for (int m = 0; m < CM; ++m) red[32 * m + lane] = 0.0f;
@@ -149,15 +187,37 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   }
 
   begin_forward_after_previous_grid(p);
-  stage_bias(s_bias, p, E);
-  __syncthreads();
-  bool bias_finite = true;
-  for (int e = tid; e < E; e += kThreads) {
-    const float b = s_bias[e];
-    bias_finite = bias_finite && isfinite(b);
-    s_bias_sw[split_slot(e / kSplitSpan, e % kSplitSpan)] = b;
+  // The warp's first tile goes in flight before anything else but the bias (at T = 16384 it is the warp's only
+  // tile, and the kernel's time is mostly its arrival plus the work that follows it). The bias is requested
+  // first: staged after the tiles' copies, its loads queued behind them and held up every warp at the barrier
+  // below (DeepSeek-V3's route 1.1x slower).
+  constexpr int kBiasPerThread = (E + kThreads - 1) / kThreads;
+  float bias_raw[kBiasPerThread];
+#pragma unroll
+  for (int i = 0; i < kBiasPerThread; ++i) {
+    const int e = tid + i * kThreads;
+    bias_raw[i] = kBias && e < E ? __ldg(p.bias + e) : 0.0f;
   }
-  const bool bias_ok = __syncthreads_and(bias_finite) != 0;  // NaN was staged as -inf
+  if (has_first_tile) split_issue_tile<Q>(tile, logits + (span.begin + static_cast<int64_t>(warp) * TPT) * E, lane,
+                                          tile_rows(warp));
+#pragma unroll
+  for (int i = 0; i < kBiasPerThread; ++i) {  // stage_bias's staging: NaN as -inf
+    const int e = tid + i * kThreads;
+    if (e < E) s_bias[e] = isnan(bias_raw[i]) ? -CUDART_INF_F : bias_raw[i];
+  }
+  bool bias_ok = true;
+  if constexpr (kBias) {
+    __syncthreads();
+    bool bias_finite = true;
+    for (int e = tid; e < E; e += kThreads) {
+      const float b = s_bias[e];
+      bias_finite = bias_finite && isfinite(b);
+      s_bias_sw[split_slot(e / kSplitSpan, e % kSplitSpan)] = b;
+    }
+    bias_ok = __syncthreads_and(bias_finite) != 0;  // NaN was staged as -inf
+  } else {
+    __syncthreads();  // the exact fallback reads the staged (zero) bias
+  }
   const float* my_bias = s_bias_sw + e0;
   // The fixed-point map sel -> sel * key_scale + key_off (monotone; F2I saturates below 0), its top kept
   // 2^6 units under 2^(32 - IBK) so that rounding cannot carry into the rank bits. Every warp reduces the
@@ -193,20 +253,10 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
 
     for (int k = warp; k < ntiles; k += kWarps) {  // warp-uniform
       const int64_t t_first = t_begin + static_cast<int64_t>(k) * TPT;
-      const int nv = static_cast<int>(min(static_cast<int64_t>(TPT), t_end - t_first));
-      // The tile's rows are contiguous in global memory (slice o = floats [64 o, 64 o + 64)). Four copy groups,
-      // quarter c holding quads 4 c .. 4 c + 3 of every slice: blocks 2 c and 2 c + 1 start as soon as their
-      // quarter has landed, while the later quarters (requested after it) are still on their way.
-      const float* src = logits + t_first * E;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int owner = 8 * r + (lane >> 2), j = 4 * c + (lane & 3);
-          if (owner / Q < nv) lean_copy16(tile + split_slot(owner, 4 * j), src + kSplitSpan * owner + 4 * j);
-        }
-        lean_commit();
-      }
+      const int nv = tile_rows(k);
+      // Blocks 2 c and 2 c + 1 start as soon as quarter c has landed, while the later quarters (requested after
+      // it) are still on their way. The chunk's first tile was put in flight before the prologue.
+      if (c != blockIdx.x || k != warp) split_issue_tile<Q>(tile, logits + t_first * E, lane, nv);
 
       // This lane's 64 experts in blocks of 8: exponentials, scores, sums, keys, running top-8 lists,
       // the group top-2; the value the weights and statistics need goes back over the logit.
