@@ -137,9 +137,9 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   // (no bias), else their order keys.
   constexpr bool kPositive = !kBias;
   // Sigmoid selection values lie in [min b, 1 + max b] (0 and 1 without a bias): their truncated keys are
-  // fixed point over that range (32 - IBK bits), which resolves scores near 1 ~2^7 times finer than a
-  // float's top bits and makes ties of truncated keys (re-sorts, exact rows) that much rarer. Softmax
-  // ranks u = exp(x), whose range is the float's.
+  // fixed point over that range (23 bits), which resolves scores near 1 ~2^6 times finer than a float's top
+  // bits and makes ties of truncated keys (re-sorts, exact rows) that much rarer. Softmax ranks u = exp(x),
+  // whose range is the float's.
   constexpr bool kFixedKey = SF == kScoreSigmoid;
 
   extern __shared__ __align__(16) float s_tiles[];  // [kWarps][kSplitTile]
@@ -219,10 +219,13 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
     __syncthreads();  // the exact fallback reads the staged (zero) bias
   }
   const float* my_bias = s_bias_sw + e0;
-  // The fixed-point map sel -> sel * key_scale + key_off (monotone; F2I saturates below 0), its top kept
-  // 2^6 units under 2^(32 - IBK) so that rounding cannot carry into the rank bits. Every warp reduces the
-  // bias on its own (no barrier); a non-finite bias sends every row to the exact code anyway.
-  float key_scale = 0.0f, key_off = 0.0f;
+  // The fixed-point map sel -> (sel - lo) * key_scale + 2^23 + 32, monotone in sel (sel >= lo): a float in
+  // [2^23 + 32, 2^24 - 96], whose low 23 bits are the fixed point, rounded, and whose sign and exponent bits
+  // leave the word when it is shifted left by IBK. That takes an add instead of a float-to-integer
+  // conversion, which runs on the quarter-rate pipe beside each expert's exponential and reciprocal. Every
+  // warp reduces the bias on its own (no barrier); a non-finite bias sends every row to the exact code anyway.
+  constexpr float kKeyBase = 8388608.0f + 32.0f;
+  float key_scale = 0.0f, key_lo = 0.0f;
   if constexpr (kFixedKey) {
     float lo = 0.0f, hi = 0.0f;
     if constexpr (kBias) {
@@ -239,8 +242,8 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
       }
     }
     const float range = (hi + 1.0f) - lo;  // >= 1
-    key_scale = bias_ok ? static_cast<float>((1u << (32 - IBK)) - 64u) / range : 0.0f;
-    key_off = -lo * key_scale;
+    key_scale = bias_ok ? static_cast<float>((1u << 23) - 128u) / range : 0.0f;
+    key_lo = lo;
   }
   const uint32_t rank_base = IMK - static_cast<uint32_t>(e0);
 
@@ -305,7 +308,8 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
             val[i] = u;
           }
           if constexpr (kFixedKey) {
-            const uint32_t f = __float2uint_rz(fmaf(sel, key_scale, key_off));
+            const float above_lo = kBias ? __fsub_rn(sel, key_lo) : sel;
+            const uint32_t f = __float_as_uint(fmaf(above_lo, key_scale, kKeyBase));
             key[i] = (f << IBK) + (rank_base - static_cast<uint32_t>(8 * b + i));
           } else {
             key[i] = (__float_as_uint(sel) | IMK) - static_cast<uint32_t>(e0 + 8 * b + i);
