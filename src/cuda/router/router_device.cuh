@@ -492,16 +492,16 @@ __device__ __forceinline__ void store_slot(const FwdParams& p, int64_t o, int id
 }
 // ---- route_forward ------------------------------------------------------------------------------
 
+// One bias value as stage_bias stages it (NaN as -inf, see below); the split kernel loads its bias
+// before its tile and stages it after.
+__device__ __forceinline__ float staged_bias(float b) { return isnan(b) ? -CUDART_INF_F : b; }
 // The selection bias staged in shared memory for experts [0, n) (n >= E pads with 0). NaN behaves
 // as -inf: score + NaN ranks as -inf in the reference, and score + -inf is -inf or, for an infinite
 // logit, NaN, which ranks the same. Without a bias, + 0 is what the reference adds.
 __device__ __forceinline__ void stage_bias(float* s_bias, const FwdParams& p, int n) {
   for (int e = threadIdx.x; e < n; e += kThreads) {
     float b = 0.0f;
-    if (p.bias != nullptr && e < p.E) {
-      b = __ldg(p.bias + e);
-      if (isnan(b)) b = -CUDART_INF_F;
-    }
+    if (p.bias != nullptr && e < p.E) b = staged_bias(__ldg(p.bias + e));
     s_bias[e] = b;
   }
 }

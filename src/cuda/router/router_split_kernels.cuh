@@ -201,9 +201,9 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   if (has_first_tile) split_issue_tile<Q>(tile, logits + (span.begin + static_cast<int64_t>(warp) * TPT) * E, lane,
                                           tile_rows(warp));
 #pragma unroll
-  for (int i = 0; i < kBiasPerThread; ++i) {  // stage_bias's staging: NaN as -inf
+  for (int i = 0; i < kBiasPerThread; ++i) {
     const int e = tid + i * kThreads;
-    if (e < E) s_bias[e] = isnan(bias_raw[i]) ? -CUDART_INF_F : bias_raw[i];
+    if (e < E) s_bias[e] = staged_bias(bias_raw[i]);
   }
   bool bias_ok = true;
   if constexpr (kBias) {
