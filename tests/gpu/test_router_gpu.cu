@@ -24,12 +24,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/device_memory.h"
@@ -751,6 +753,157 @@ TEST(RouterGpuForward, LeanAndSplitKernelsMixFastAndExactRows) {
         expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[run % 2]), first,
                              what + " run " + std::to_string(run + 2));
     }
+  }
+}
+
+// The split kernel's truncated keys (router_split_kernels.cuh), as a row builder needs them: for softmax the
+// top 32 - IBK bits of u = exp(x), for sigmoid the fixed point of the selection value over [min b, 1 + max b],
+// rounded. place() gives a logit whose key is bucket n, at fraction f of the bucket (0 and 1: its edges);
+// where() gives the bucket and fraction of a logit as the host computes them.
+class SplitKeys {
+ public:
+  SplitKeys(const RouterConfig& c, const std::vector<double>& bias)
+      : sigmoid_(c.score_function == ScoreFunction::kSigmoid), ibk_(c.num_experts <= 256 ? 8 : 9), bias_(bias) {
+    float lo = 0.0f, hi = 0.0f;
+    if (!bias.empty()) {
+      lo = static_cast<float>(*std::min_element(bias.begin(), bias.end()));
+      hi = static_cast<float>(*std::max_element(bias.begin(), bias.end()));
+    }
+    lo_ = lo;
+    scale_ = static_cast<float>((1u << 23) - 128u) / ((hi + 1.0f) - lo);
+  }
+  // A bucket whose values lie near `value` (softmax: u in [32, 64); sigmoid: a selection value).
+  uint32_t bucket_near(double value) const {
+    if (!sigmoid_) return static_cast<uint32_t>(float_bits(static_cast<float>(value)) >> ibk_);
+    return static_cast<uint32_t>(std::floor((value - lo_) * scale_));
+  }
+  float place(uint32_t n, double f, int e) const {
+    if (!sigmoid_) {
+      const uint32_t bits = (n << ibk_) | static_cast<uint32_t>(f * (1u << ibk_));
+      float u;
+      std::memcpy(&u, &bits, sizeof u);
+      return static_cast<float>(std::log(static_cast<double>(u)));
+    }
+    const double sel = lo_ + (n - 0.5 + f) / scale_;  // bucket n holds positions [n - 0.5, n + 0.5)
+    const double sc = sel - b(e);
+    return static_cast<float>(std::log(sc / (1.0 - sc)));
+  }
+  std::pair<uint32_t, double> where(float x, int e) const {
+    if (!sigmoid_) {
+      const uint32_t bits = float_bits(static_cast<float>(std::exp(static_cast<double>(x))));
+      return {bits >> ibk_, (bits & ((1u << ibk_) - 1u)) / static_cast<double>(1u << ibk_)};
+    }
+    const float sc = static_cast<float>(sigmoid(x));
+    const float sel = sc + static_cast<float>(b(e)), above = sel - lo_;
+    const double pos = static_cast<double>(above) * scale_;
+    const double n = std::nearbyint(pos);
+    return {static_cast<uint32_t>(n), pos - n + 0.5};
+  }
+
+ private:
+  static uint32_t float_bits(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return bits;
+  }
+  double b(int e) const { return bias_.empty() ? 0.0 : bias_[e]; }
+  bool sigmoid_;
+  int ibk_;
+  std::vector<double> bias_;
+  float lo_, scale_;
+};
+
+// Rows whose picks K - 1 and K share the split kernel's truncated key while their full keys differ by far more
+// than the GPU and the reference can disagree about: the split kernel settles them from the tile (with three
+// tied values, two of them picks, the exact code decides). Each tied value lies at least 0.1 of its bucket
+// from either edge (>= 25 ulps of u or of the selection value), beyond the
+// few-ulp errors of the GPU's approximate exponential and sigmoid. Row kinds, in turn: a tied pair at the
+// boundary; an exact tie there (one logit twice: the lower expert wins); a tied trio; a tied pair inside the
+// top K (a re-sort); with groups, a tied pair and a value of the tied key in a dropped group that would win if
+// it counted. Values above the tie are well apart, the rest far below it.
+TEST(RouterGpuForward, SplitSettlesBoundaryTiesFromTheTile) {
+  EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
+  using SF = ScoreFunction;
+  cuda::set_router_kernel(cuda::RouterKernel::kSplit);
+  const std::vector<RouterConfig> configs = {
+      make_config(256, 8, SF::kSoftmax),         make_config(256, 4, SF::kSoftmax, 1, 1, false, true),
+      make_config(128, 8, SF::kSoftmax),         make_config(512, 8, SF::kSoftmax),
+      make_config(256, 8, SF::kSigmoid),         make_config(256, 8, SF::kSigmoid, 8, 4, true, true, 2.5f),
+      make_config(512, 8, SF::kSigmoid, 16, 4, true, true)};
+  const int64_t T = 2003;
+  for (const RouterConfig& c : configs) {
+    const int E = c.num_experts, K = c.topk;
+    const bool sigmoid = c.score_function == SF::kSigmoid, grouped = c.num_groups > 1;
+    std::vector<double> bias = c.use_expert_bias ? random_bias(E, 77 + E, 1e-4) : std::vector<double>();
+    for (size_t e = 0; e + 1 < bias.size(); e += 2) bias[e + 1] = bias[e];  // pairs of equal bias (exact ties)
+    const SplitKeys keys(c, bias);
+    std::mt19937_64 rng(9000 + E + K + 31 * c.num_groups);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::uniform_real_distribution<double> unif(0.0, 1.0);
+    const int per = E / c.num_groups;
+    std::vector<double> rows(static_cast<size_t>(T) * E);
+    for (int64_t t = 0; t < T; ++t) {
+      const int kind = static_cast<int>(t % (grouped ? 5 : 4));
+      double* row = rows.data() + t * E;
+      for (int e = 0; e < E; ++e)  // far below the tie: u < 21, or a score below 1.3e-4
+        row[e] = round_to_dtype(sigmoid ? std::min(-12.0 + 0.5 * normal(rng), -9.0) : std::min(normal(rng), 3.0),
+                                DType::kF32);
+      // Kept groups: the first group_topk of a random order of the groups (every group without groups).
+      std::vector<int> groups(c.num_groups);
+      std::iota(groups.begin(), groups.end(), 0);
+      std::shuffle(groups.begin(), groups.end(), rng);
+      const int nkept = grouped ? c.group_topk : 1;
+      std::vector<int> used;
+      auto expert_in = [&](int g) {  // a random expert of group g not used yet in this row
+        for (;;) {
+          const int e = g * per + static_cast<int>(unif(rng) * per);
+          if (std::find(used.begin(), used.end(), e) == used.end()) {
+            used.push_back(e);
+            return e;
+          }
+        }
+      };
+      int next_group = 0;
+      auto kept_expert = [&] { return expert_in(groups[next_group++ % nkept]); };  // each kept group in turn first
+      const int above = kind == 2 || kind == 3 ? K - 2 : K - 1;  // picks above the tie
+      for (int i = 0; i < above; ++i)
+        row[kept_expert()] = sigmoid ? -2.0 - 0.35 * i : 6.0 + 0.3 * i;  // scores 0.12 .. 0.016, or u >= 403
+      const uint32_t n = keys.bucket_near(sigmoid ? 0.002 + 0.002 * unif(rng) : 32.0 + 31.0 * unif(rng));
+      std::vector<std::pair<int, double>> tied;  // (expert, fraction of the bucket)
+      if (kind == 1) {  // the same logit twice; with a bias, on two experts of the same bias (e, e ^ 1)
+        int a = kept_expert(), b = a ^ 1;
+        if (c.use_expert_bias) {
+          while (std::find(used.begin(), used.end(), b) != used.end()) b = (a = kept_expert()) ^ 1;
+          used.push_back(b);
+        } else {
+          b = kept_expert();
+        }
+        tied = {{a, 0.5}, {b, 0.5}};
+        for (const auto& [e, f] : tied) row[e] = keys.place(n, f, e);
+      } else {
+        const int count = kind == 2 ? 3 : 2;
+        const double fr[3] = {0.12, count == 3 ? 0.5 : 0.88, 0.88};
+        for (int i = 0; i < count; ++i) tied.push_back({kept_expert(), fr[i]});
+        if (kind == 4) {  // the pair lower in the bucket, and above both a value in a dropped group
+          tied[1].second = 0.5;
+          tied.push_back({expert_in(groups[nkept + static_cast<int>(unif(rng) * (c.num_groups - nkept))]), 0.88});
+        }
+        for (const auto& [e, f] : tied) row[e] = keys.place(n, f, e);
+      }
+      for (const auto& [e, f] : tied) {
+        const auto [bucket, at] = keys.where(static_cast<float>(row[e]), e);
+        ASSERT_EQ(bucket, n) << "row " << t << ": a tied value left its bucket";
+        ASSERT_NEAR(at, f, 0.03) << "row " << t << ": a tied value moved inside its bucket";
+      }
+    }
+    const Tensor b = c.use_expert_bias ? host_tensor({E}, DType::kF32, bias) : Tensor();
+    const Tensor logits = host_tensor({T, E}, DType::kF32, rows);
+    const Routed cpu = forward_on(Device::cpu(), c, logits, b, DType::kI32);
+    const std::string what = describe(c, DType::kF32, DType::kI32, T) + " kernel split, boundary ties";
+    const Routed first = forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[0]);
+    expect_forward_match(first, cpu, what);
+    expect_all_bit_equal(forward_on(Device::cuda(0), c, logits, b, DType::kI32, kPoisons[1]), first, what + " run 2");
   }
 }
 

@@ -17,19 +17,20 @@
 //    shuffles. No branch depends on the data, so the warp never diverges on the fast path;
 //  - groups (32 or 64 experts: whole groups per lane): each group keeps a top-8 of its own and the top-2
 //    of its selection values (the group score, as the reference sums them); the lanes exchange the
-//    G group composites (score key, 15 - group) and drop the lists of the groups outside the best
-//    group_topk before merging;
+//    G group scores' keys, rank them (the lower group first among equal keys, as the reference's stable
+//    sort) and drop the lists of the groups outside the best group_topk before merging;
 //  - the scores the weights and statistics need (u = exp(x) for softmax, the sigmoid score) are written
 //    back over the tile's logits, so the slot lanes read their picks' values and the statistics are a
 //    column pass over the tile (lane c adds experts c + 32 m of the tile's tokens, in token order,
 //    scaled by each row's 1 / S, or 1 / sum of scores for sigmoid, to the warp's row of the chunk).
-// Rows the fast path cannot vouch for -- S out of range (NaN, infinities, extreme logits), a non-finite
-// bias, a tie of truncated keys between picks K - 1 and K, two group scores on either side of the
-// kept/dropped boundary with equal truncated keys, fewer than K candidates -- get zeros in the column
-// pass and go, whole, through the fast kernels' exact per-token code after their tile (lean's
-// fallback). Ties of truncated keys inside the top K only order the slots: such rows sort their K
-// picks again on the full keys. Which path a row takes depends on the row alone, so the outputs are
-// deterministic run to run.
+// A tie of truncated keys between picks K - 1 and K, where pick K - 1 is the only pick with that key, is
+// settled from the tile: the token's lanes scan their written-back values for the best candidate with the
+// tied key by (full key, lower expert), which is pick K - 1. Rows the fast path cannot vouch for -- S out of
+// range (NaN, infinities, extreme logits), a non-finite bias, a boundary tie that takes in more than one
+// pick, fewer than K candidates -- get zeros in the column pass and go, whole, through the fast kernels'
+// exact per-token code after their tile (lean's fallback). Ties of truncated keys inside the top K only
+// order the slots: such rows sort their K picks again on the full keys. Which path a row takes depends on
+// the row alone, so the outputs are deterministic run to run.
 // Launch: 8 warps per block, one 8 KB tile per warp, 2 blocks per SM (<= 128 registers); one chunk of
 // tokens per block.
 #pragma once
@@ -246,6 +247,17 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
     key_lo = lo;
   }
   const uint32_t rank_base = IMK - static_cast<uint32_t>(e0);
+  // The composite key of element i (0..63) of this lane's slice: its truncated key above the rank bits. The
+  // tile pass and the settling of a boundary tie (below) must compute it alike.
+  auto composite_key = [&](float sel, int i) -> uint32_t {
+    if constexpr (kFixedKey) {
+      const float above_lo = kBias ? __fsub_rn(sel, key_lo) : sel;
+      const uint32_t f = __float_as_uint(fmaf(above_lo, key_scale, kKeyBase));
+      return (f << IBK) + (rank_base - static_cast<uint32_t>(i));
+    } else {
+      return (__float_as_uint(sel) | IMK) - static_cast<uint32_t>(e0 + i);
+    }
+  };
 
   for (int64_t c = blockIdx.x; c < p.nchunks; c += gridDim.x) {
     if (c != blockIdx.x) span = chunk_span(p, c);
@@ -307,13 +319,7 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
             sel = u;
             val[i] = u;
           }
-          if constexpr (kFixedKey) {
-            const float above_lo = kBias ? __fsub_rn(sel, key_lo) : sel;
-            const uint32_t f = __float_as_uint(fmaf(above_lo, key_scale, kKeyBase));
-            key[i] = (f << IBK) + (rank_base - static_cast<uint32_t>(8 * b + i));
-          } else {
-            key[i] = (__float_as_uint(sel) | IMK) - static_cast<uint32_t>(e0 + 8 * b + i);
-          }
+          key[i] = composite_key(sel, 8 * b + i);
           if constexpr (GPT > 0) {
             t2 = fmaxf(t2, fminf(t1, sel));
             t1 = fmaxf(t1, sel);
@@ -351,13 +357,15 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
       }
       bool fast = valid && bias_ok && S >= kLeanSumMin && S <= kLeanSumMax;
 
-      // Groups: composites (score key, 15 - group), distinct, so a group's rank is the number above it.
+      // Groups: ranked by their scores' full keys, the lower group first among equal ones (the reference's
+      // stable order), so a group's rank is the number of groups before it and no boundary is left open.
+      bool kept[GPT > 0 ? GPT : 1] = {true};
       if constexpr (GPT > 0) {
         uint32_t gk[GPT];
         int rank[GPT];
 #pragma unroll
         for (int m = 0; m < GPT; ++m) {
-          gk[m] = (order_key2(__fadd_rn(g1[m], g2[m])) & ~15u) | (15u - static_cast<uint32_t>(GPT * q + m));
+          gk[m] = order_key2(__fadd_rn(g1[m], g2[m]));
           rank[m] = 0;
         }
 #pragma unroll
@@ -366,23 +374,13 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
           for (int m2 = 0; m2 < GPT; ++m2) {
             const uint32_t o = __shfl_sync(kFull, gk[m2], lead + r);
 #pragma unroll
-            for (int m = 0; m < GPT; ++m) rank[m] += o > gk[m] ? 1 : 0;
+            for (int m = 0; m < GPT; ++m) rank[m] += o > gk[m] || (o == gk[m] && GPT * r + m2 < GPT * q + m) ? 1 : 0;
           }
-        uint32_t lo_kept = 0xffffffffu, hi_dropped = 0u;
 #pragma unroll
         for (int m = 0; m < GPT; ++m) {
-          const bool keep = rank[m] < p.group_topk;
-          lo_kept = keep ? min(lo_kept, gk[m]) : lo_kept;
-          hi_dropped = keep ? hi_dropped : max(hi_dropped, gk[m]);
-          top8_keep_if(top[NL == 2 ? m : 0], keep);  // a dropped group's list: empty
+          kept[m] = rank[m] < p.group_topk;
+          top8_keep_if(top[NL == 2 ? m : 0], kept[m]);  // a dropped group's list: empty
         }
-#pragma unroll
-        for (int o = 1; o < Q; o <<= 1) {
-          lo_kept = min(lo_kept, __shfl_xor_sync(kFull, lo_kept, o));
-          hi_dropped = max(hi_dropped, __shfl_xor_sync(kFull, hi_dropped, o));
-        }
-        // The kept/dropped boundary could hang on the dropped bits.
-        fast = fast && !(hi_dropped != 0u && (hi_dropped >> 4) == (lo_kept >> 4));
         if constexpr (NL == 2) top8_merge(top[0], top[1].a, top[1].a9);
       }
 
@@ -396,8 +394,11 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
         const uint32_t other9 = __shfl_xor_sync(kFull, L.a9, o);
         top8_merge(L, other, other9);
       }
-      // Picks K - 1 and K with equal truncated keys: which one is in the top K hangs on the dropped
-      // bits (the exact code decides). Equal truncated keys inside the top K only order the slots.
+      // Picks K - 1 and K with equal truncated keys: which one is in the top K hangs on the dropped bits.
+      // Where pick K - 1 is the only pick with that truncated key, the K - 1 picks above it are certain and it
+      // is the best of the row's candidates with that key by (full key, lower expert): the token's lanes find
+      // it in their written-back values. With more tied picks the exact code decides. Equal truncated keys
+      // inside the top K only order the slots.
       uint32_t last = 0xffffffffu, next = K == 8 ? L.a9 : 0u;  // picks K - 1 and K, by min / max (see split_pick)
       bool reorder = false;
 #pragma unroll
@@ -407,7 +408,36 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
         next = max(next, i >= K ? L.a[i] : 0u);
         reorder = reorder || (i < K - 1 && (L.a[i] >> IBK) == (after >> IBK));
       }
-      fast = fast && last != 0u && !(next != 0u && (last >> IBK) == (next >> IBK));
+      const uint32_t tied_key = last >> IBK;
+      int tied_picks = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) tied_picks += i < K && (L.a[i] >> IBK) == tied_key ? 1 : 0;
+      const bool boundary_tie = next != 0u && (next >> IBK) == tied_key;
+      fast = fast && last != 0u && (!boundary_tie || tied_picks == 1);
+      if (fast && boundary_tie) {  // rare, and the same for the token's lanes: only they take part
+        const unsigned token_lanes = ((1u << Q) - 1u) << lead;
+        uint64_t best = 0;  // (full key, ~expert) of the best candidate with the tied truncated key
+#pragma unroll 1
+        for (int j = 0; j < kSplitSpan / 4; ++j) {
+          const float4 v4 = *reinterpret_cast<const float4*>(mine + 4 * (j ^ (lane & 7)));
+          const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int i = 4 * j + r;
+            const float sel = kBias ? __fadd_rn(v[r], s_bias[e0 + i]) : v[r];
+            const bool candidate = GPT == 2 && i >= kSplitSpan / 2 ? kept[GPT - 1] : kept[0];
+            if (candidate && (composite_key(sel, i) >> IBK) == tied_key) {
+              const uint32_t fk = kPositive ? __float_as_uint(sel) : order_key2(sel);
+              best = max(best, (static_cast<uint64_t>(fk) << 32) | (0xffffffffu - static_cast<uint32_t>(e0 + i)));
+            }
+          }
+        }
+#pragma unroll
+        for (int o = 1; o < Q; o <<= 1) best = max(best, __shfl_xor_sync(token_lanes, best, o));
+        const uint32_t settled = (tied_key << IBK) | (IMK - (0xffffffffu - static_cast<uint32_t>(best)));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) L.a[i] = i == K - 1 ? settled : L.a[i];
+      }
 
       if (fast && reorder) {  // rare: the K picks by (full key, lower expert), from the written-back values
         uint64_t full[8];
