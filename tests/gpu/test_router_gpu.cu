@@ -907,6 +907,47 @@ TEST(RouterGpuForward, SplitSettlesBoundaryTiesFromTheTile) {
   }
 }
 
+// One sequence of 2^22 + 5 rows in which expert 0 takes almost every row's probability: its prob_sum passes 2^22,
+// which in the accumulators' 2^-32 units would reach the arrival count above the sum, so the kernels take coarser
+// units for sequences this long (2^-30 here). prob_sum and the scalars, for each kernel that keeps the counted
+// accumulators, against sums in double (the reference's fp32 running sums drift over this many rows).
+TEST(RouterGpuForward, LongSequenceStatisticsStayInTheirBits) {
+  EPX_REQUIRE_GPU();
+  const RouterKernelRestorer restore_kernel;
+  const RouterConfig c = make_config(128, 2, ScoreFunction::kSoftmax);
+  const int64_t T = (int64_t{1} << 22) + 5, E = c.num_experts;
+  Tensor logits = Tensor::empty({T, E}, DType::kF32);
+  float* l = static_cast<float*>(logits.data());
+  std::mt19937_64 rng(2222);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<double> prob(E, 0.0), p(E);
+  double lse_sq = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = l + t * E;
+    double z = 0.0;
+    for (int e = 0; e < E; ++e) {
+      row[e] = e == 0 ? 20.0f : normal(rng);
+      p[e] = std::exp(static_cast<double>(row[e]) - 20.0);
+      z += p[e];
+    }
+    for (int e = 0; e < E; ++e) prob[e] += p[e] / z;
+    const double lse = 20.0 + std::log(z);
+    lse_sq += lse * lse;
+  }
+  ASSERT_GT(prob[0], 4194304.0) << "expert 0's prob_sum should pass 2^22";
+  const Tensor want_prob = host_tensor({1, E}, DType::kF32, prob);
+  for (cuda::RouterKernel kern : {cuda::RouterKernel::kSplit, cuda::RouterKernel::kLean, cuda::RouterKernel::kWide}) {
+    cuda::set_router_kernel(kern);
+    const Routed gpu = forward_on(Device::cuda(0), c, logits, Tensor(), DType::kI32);
+    const std::string what = std::string("kernel ") + cuda::router_kernel_name(kern);
+    EXPECT_TRUE(all_close(gpu.prob, want_prob, 1e-5, 2e-4)) << what << ": prob_sum";
+    const std::vector<double> gs = values(gpu.scal);
+    EXPECT_EQ(gs[1], static_cast<double>(T)) << what << ": scalars[1] (valid tokens)";
+    EXPECT_NEAR(gs[0], lse_sq, 2e-4 * lse_sq) << what << ": scalars[0] (sum of lse^2)";
+    EXPECT_EQ(cuda::router_status(0, Stream{}), 0u) << what;
+  }
+}
+
 // Without statistics tensors (no loss configured) only the routing is written.
 TEST(RouterGpuForward, WithoutStatistics) {
   EPX_REQUIRE_GPU();

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -45,7 +46,8 @@ namespace rk = router_kernels;
 static_assert(kRouterMaxExperts == rk::kMaxExperts && kRouterMaxTopk == rk::kMaxTopk &&
                   kRouterMaxGroups == rk::kMaxGroups,
               "router.h and router_device.cuh disagree on the limits");
-static_assert(kRouterStatusBadExpertId == rk::kStatusBadId && kRouterStatusRepeatedExpertId == rk::kStatusRepeatedId,
+static_assert(kRouterStatusBadExpertId == rk::kStatusBadId && kRouterStatusRepeatedExpertId == rk::kStatusRepeatedId &&
+                  kRouterStatusStatisticsTimeout == rk::kStatusStatsTimeout,
               "status bits disagree");
 
 using cuda::DeviceGuard;
@@ -58,6 +60,7 @@ struct Scratch {
   float* rows1 = nullptr;
   float* leaf_lse = nullptr;
   unsigned long long* leaf_cnt = nullptr;
+  unsigned long long* leaves = nullptr;
   unsigned* cnt1 = nullptr;
   unsigned* cnt2 = nullptr;
   unsigned* ticket = nullptr;
@@ -66,7 +69,7 @@ struct Scratch {
 
 // The scratch's layout; every slot of a pool has the same.
 struct ScratchLayout {
-  size_t rows0, rows1, lse, cnt, zero, acc, cnt1, cnt2, ticket, status, bytes;
+  size_t rows0, rows1, lse, cnt, zero, acc, leaves, cnt1, cnt2, ticket, status, bytes;
 };
 
 ScratchLayout scratch_layout() {
@@ -83,6 +86,7 @@ ScratchLayout scratch_layout() {
   l.cnt = take(sizeof(unsigned long long) * rk::kMaxChunks);
   l.zero = off;
   l.acc = take(sizeof(unsigned long long) * rk::kRows0 * rk::kMaxExperts);
+  l.leaves = take(sizeof(unsigned long long) * rk::kMaxChunks);
   l.cnt1 = take(sizeof(unsigned) * rk::kRows0);
   l.cnt2 = take(sizeof(unsigned) * rk::kMaxChunks);
   l.ticket = take(sizeof(unsigned));
@@ -129,6 +133,7 @@ Scratch& scratch_for(int device, cudaStream_t stream) {
   s.rows1 = reinterpret_cast<float*>(base + l.rows1);
   s.leaf_lse = reinterpret_cast<float*>(base + l.lse);
   s.leaf_cnt = reinterpret_cast<unsigned long long*>(base + l.cnt);
+  s.leaves = reinterpret_cast<unsigned long long*>(base + l.leaves);
   s.cnt1 = reinterpret_cast<unsigned*>(base + l.cnt1);
   s.cnt2 = reinterpret_cast<unsigned*>(base + l.cnt2);
   s.ticket = reinterpret_cast<unsigned*>(base + l.ticket);
@@ -407,7 +412,17 @@ void route_forward(const RouterConfig& c, const TensorRef& logits, const TensorR
   p.leaf_cnt = sc.leaf_cnt;
   p.scal_ticket = sc.ticket;
   p.acc = sc.acc;
-  p.rep = static_cast<int>(std::min<int64_t>(rk::kAccReplicas, p.bps));
+  // Replicas of each sequence's accumulators, and the sequences' own rows after them, all within kRows0 rows
+  // (S * bps <= kRows0 and bps >= 2 where they are used, so rep >= 1).
+  p.rep = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({rk::kAccReplicas, p.bps, rk::kRows0 / S - 1})));
+  p.leaves = sc.leaves;
+  p.status = sc.status;
+  // prob_sum's fixed point: a sequence's sum for one expert is at most L (plus a unit per chunk), which must
+  // stay below 2^53, under the arrival count in the accumulator's top bits: 2^32 units per 1 while L < 2^21.
+  int fixed_shift = 0;
+  while ((L >> fixed_shift) >= (int64_t{1} << 21)) ++fixed_shift;
+  p.fixed_scale = std::ldexp(1.0f, 32 - fixed_shift);
+  p.fixed_inv = std::ldexp(1.0f, fixed_shift - 32);
 
   const int V = lanes_v(E);
   // Grouped selection relies on a lane touching at most two groups (E / G > V, or V = 1).

@@ -29,6 +29,9 @@ constexpr int kRouterMaxGroups = 16;
 /// Status bits (see router_status).
 constexpr uint32_t kRouterStatusBadExpertId = 1u;       // an id outside [-1, E)
 constexpr uint32_t kRouterStatusRepeatedExpertId = 2u;  // an expert named twice in one row
+// route_forward's last block waited too long for another block's statistics (never expected: each block
+// publishes them before it takes its ticket); scalars then lack that block's share.
+constexpr uint32_t kRouterStatusStatisticsTimeout = 4u;
 
 /// Which kernel route_forward runs (EPX_ROUTER_KERNEL, read once): "auto" (default: "split" where it
 /// serves the shape for sigmoid scores, and for softmax scores over at least 8192 rows;

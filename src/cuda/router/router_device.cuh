@@ -57,7 +57,7 @@ constexpr int kRows1 = kMaxChunks;
 enum ScoreKind : int { kScoreSoftmax = 0, kScoreSoftmaxAfterTopk = 1, kScoreSigmoid = 2 };
 
 /// Bits of the per-(device, stream) status word (see router.h: router_status).
-enum StatusBits : unsigned { kStatusBadId = 1u, kStatusRepeatedId = 2u };
+enum StatusBits : unsigned { kStatusBadId = 1u, kStatusRepeatedId = 2u, kStatusStatsTimeout = 4u };
 
 // ---- parameters ---------------------------------------------------------------------------------
 
@@ -82,10 +82,15 @@ struct FwdParams {
   float* leaf_lse;
   unsigned long long* leaf_cnt;
   unsigned* scal_ticket;
-  // route_forward_fast_kernel only: fixed-point prob_sum accumulators, rows (s * rep + r) of
-  // kMaxExperts (zero between launches), rep replicas per sequence (>= 1).
+  // The fast, wide, lean and split kernels: prob_sum's counted fixed-point accumulators, rows (of kMaxExperts)
+  // s * rep + r for replica r of sequence s, then row S * rep + s for sequence s, and each block's published
+  // scalar leaf (all zero between launches); fixed_scale (a power of two, 2^32 unless a sequence is long) and
+  // its inverse convert to and from the fixed point.
   unsigned long long* acc;
+  unsigned long long* leaves;
   int rep;
+  float fixed_scale, fixed_inv;
+  unsigned* status;
   int trigger;  // a RouterTrigger
 };
 

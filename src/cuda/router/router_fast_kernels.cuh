@@ -29,23 +29,20 @@
 //
 // Statistics, deterministically and without a reduction tree. A block sums its token streams'
 // registers in order (warp, then half-warp) into one row per chunk; a chunk that is a whole
-// sequence writes prob_sum itself. Otherwise the row is rounded to fixed point (2^-32 units, int64)
-// and added with integer atomics into acc[s][j % rep] (rep <= 8 replicas spread the contention):
-// integer addition is associative, so the order in which chunks arrive cannot change a bit. The
-// last chunk of a sequence to arrive (a ticket per sequence, reset by that chunk) converts the sum
-// to fp32 and clears the accumulators for the next launch. The result differs from the legacy
-// tree's by the fixed-point rounding (below 2^-33 per chunk and expert) and the fp32 rounding
-// order; it is bit-identical run to run. lse^2 and the token count keep the legacy per-block leaves
-// and last-block sum (in global mode under the same ticket as prob_sum).
+// sequence writes prob_sum itself. Otherwise the row is rounded to fixed point (2^-32 units while the
+// sequence is shorter than 2^21 rows, int64) and added with integer atomics into acc[s], each word
+// counting its arrivals in its top bits: integer addition is associative, so the order in which chunks
+// arrive cannot change a bit, and the chunk whose add completes an expert's count converts that sum to
+// fp32 and clears the word for the next launch (commit_chunk_stats). The result differs from the legacy
+// tree's by the fixed-point rounding (below 2^-33 per chunk and expert) and the fp32 rounding order; it
+// is bit-identical run to run. lse^2 and the token count go through per-block leaves that carry their
+// own ready bit, summed in block order by the last block (finish_block_scalars).
 #pragma once
 
 #include "cuda/router/router_device.cuh"
 
 namespace epx::cuda::router_kernels {
 
-constexpr int kAccReplicas = 8;
-constexpr float kFixedScale = 4294967296.0f;            // 2^32
-constexpr float kFixedInv = 2.3283064365386963e-10f;    // 2^-32
 
 // Registers: one token per warp fits 64 per thread (4 blocks of 8 warps per SM) up to V = 8;
 // two tokens per warp hold twice the elements per lane and take 128 (2 blocks per SM).
@@ -144,21 +141,67 @@ __device__ __forceinline__ void load_bias(float (&bias)[V], const float* s_bias,
   }
 }
 
-// The last block: lse^2 and the token count over every block's leaf, in a fixed order. Split in
-// two so that the merged tail can have the leaves' loads in flight with prob_sum's (one L2 round
-// trip on the kernel's critical tail instead of two): this thread's leaves b = tid + kThreads i ...
+// Statistics leave a block in words that carry their own arrival, so that the last block's tail is one
+// L2 round trip for prob_sum and two for the scalars, with no fence on either:
+//  - prob_sum (several chunks a sequence): an accumulator word counts arrivals in its top bits (from
+//    kAccCountShift) and holds a fixed-point sum below them; an atomic add of (1 << kAccCountShift) + a value
+//    returns the old word, so the add that completes the count has the whole sum. Chunk j of sequence s adds
+//    its value for expert e to replica j % rep of (s, e) (rep <= 8 replicas spread the chunks' atomics over
+//    more L2 lines); the add that completes a replica clears it for the next launch and adds the replica's sum
+//    to the sequence's word, and the add that completes that one writes prob_sum[s][e] and clears it. Integer
+//    addition is associative, so the order in which chunks arrive cannot change a bit.
+//  - lse^2 and the token count: each block stores its leaf, kLeafReady | count << 32 | the bits of its lse^2
+//    sum, then takes a ticket; the last block waits for every leaf's ready bit (stored before its block's
+//    ticket, so at most a round trip behind), sums them in block order and clears them.
+constexpr int kAccReplicas = 8;
+constexpr int kAccCountShift = 54;  // bps <= kMaxChunks < 2^10 arrivals; the sum below 2^53 (fixed_scale)
+constexpr unsigned long long kAccArrival = 1ull << kAccCountShift;
+constexpr unsigned long long kAccValueMask = kAccArrival - 1ull;
+constexpr unsigned long long kLeafReady = 1ull << 63;
+constexpr long long kLeafWaitCycles = 1ll << 32;  // ~2 s: a leaf is never expected to take more than microseconds
+static_assert(kMaxChunks < (1 << (64 - kAccCountShift)), "the arrival count must fit above the sum");
+
+__device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* a) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_relaxed(unsigned long long* a, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+
+// Block b's leaf once it is ready; after kLeafWaitCycles the status records the timeout and the leaf counts
+// as empty (the stream goes on).
+__device__ __forceinline__ unsigned long long await_leaf(const FwdParams& p, unsigned b) {
+  unsigned long long v = load_relaxed(p.leaves + b);
+  if (v & kLeafReady) return v;
+  const long long start = clock64();
+  while (!((v = load_relaxed(p.leaves + b)) & kLeafReady))
+    if (clock64() - start > kLeafWaitCycles) {
+      atomicOr(p.status, kStatusStatsTimeout);
+      return 0ull;
+    }
+  return v;
+}
+
+// lse^2 and the token count of the leaves this thread reads, b = tid and tid + kThreads (then cleared).
 struct ScalarLeaves {
   float lse = 0.0f;
   unsigned long long cnt = 0;
 };
-__device__ __forceinline__ ScalarLeaves load_scalar_leaves(const FwdParams& p) {
+__device__ __forceinline__ ScalarLeaves take_scalar_leaves(const FwdParams& p) {
   static_assert(kMaxChunks <= 2 * kThreads, "two leaves per thread");
-  const unsigned b0 = threadIdx.x, b1 = threadIdx.x + kThreads;
-  const float l0 = b0 < gridDim.x ? __ldcg(p.leaf_lse + b0) : 0.0f;
-  const float l1 = b1 < gridDim.x ? __ldcg(p.leaf_lse + b1) : 0.0f;
-  const unsigned long long c0 = b0 < gridDim.x ? __ldcg(p.leaf_cnt + b0) : 0ull;
-  const unsigned long long c1 = b1 < gridDim.x ? __ldcg(p.leaf_cnt + b1) : 0ull;
-  return {l0 + l1, c0 + c1};
+  ScalarLeaves v;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const unsigned b = threadIdx.x + i * kThreads;
+    if (b >= gridDim.x) continue;
+    const unsigned long long w = await_leaf(p, b);
+    v.lse += __uint_as_float(static_cast<unsigned>(w));
+    v.cnt += (w & ~kLeafReady) >> 32;
+    __stcg(p.leaves + b, 0ull);
+  }
+  return v;
 }
 // ... and their sum over the block: a butterfly per warp, then the warps in order (s_f, s_n: one
 // entry per warp). Block-uniform.
@@ -188,24 +231,16 @@ __device__ __forceinline__ void finish_scalars(const FwdParams& p, ScalarLeaves 
   }
 }
 
-// Global statistics over several chunks where every block is exactly one chunk (grid = nchunks):
-// the last chunk to arrive is also the last block, so one ticket finishes both prob_sum and the
-// scalars (one fence and one atomic round trip less on the kernel's tail).
-__device__ __forceinline__ bool stats_merged(const FwdParams& p, bool want_prob, bool want_scal) {
-  return want_prob && want_scal && p.nchunks == p.bps && p.bps > 1 && p.nchunks == static_cast<int64_t>(gridDim.x);
-}
-
 // The tail of a chunk, shared by the fast kernels: the block's token streams wrote their rows of
 // prob sums (red[row * stride + e], rows in token-stream order) and their lse^2 / token-count leaves
 // (wlse, wcnt) and synchronised. Adds the rows in row order and either writes prob_sum (a chunk that
-// is a whole sequence) or adds the fixed-point row to the sequence's accumulators; the last chunk of
-// a sequence to arrive converts them (and, merged, finishes the scalars). blk_lse, blk_cnt and flag
-// are the block's shared scalars. Block-uniform; the caller synchronises before red is reused.
+// is a whole sequence) or adds the fixed-point row to the chunk's replica of the sequence's counted
+// accumulators (above); the scalars go to the block's blk_lse / blk_cnt. Chunk jc of sequence s.
+// Block-uniform; the caller synchronises before red is reused.
 template <int kRows>
 __device__ __forceinline__ void commit_chunk_stats(const FwdParams& p, int64_t s, int64_t jc, const float* red,
                                                    int stride, const float* wlse, const unsigned* wcnt, float& blk_lse,
-                                                   unsigned long long& blk_cnt, int& flag, unsigned long long* s_n,
-                                                   bool want_prob, bool want_scal, bool merged) {
+                                                   unsigned long long& blk_cnt, bool want_prob, bool want_scal) {
   const int tid = threadIdx.x, E = p.E;
   if (want_scal && tid == 0) {
 #pragma unroll
@@ -215,50 +250,47 @@ __device__ __forceinline__ void commit_chunk_stats(const FwdParams& p, int64_t s
     }
   }
   if (!want_prob) return;
-  const int rep = p.rep;
-  unsigned long long* acc_row = p.acc + (s * rep + jc % rep) * kMaxExperts;
+  const int rep = p.rep, r = static_cast<int>(jc % rep);
+  unsigned long long* rep_row = p.acc + (s * rep + r) * kMaxExperts;
+  unsigned long long* seq_row = p.acc + (p.nchunks / p.bps * rep + s) * kMaxExperts;
+  // The arrivals before the last one: at replica r, the sequence's chunks j = r (mod rep); at the sequence's word,
+  // its replicas.
+  const unsigned long long rep_last = static_cast<unsigned long long>((p.bps - 1 - r) / rep) << kAccCountShift;
+  const unsigned long long seq_last = static_cast<unsigned long long>(rep - 1) << kAccCountShift;
   for (int e = tid; e < E; e += kThreads) {
     float v = 0.0f;
 #pragma unroll
     for (int w = 0; w < kRows; ++w) v += red[w * stride + e];
-    if (p.bps == 1)
+    if (p.bps == 1) {
       p.prob_sum[s * E + e] = v;
-    else
-      atomicAdd(acc_row + e, static_cast<unsigned long long>(__float2ll_rn(v * kFixedScale)));
-  }
-  if (p.bps == 1) return;
-  if (merged && tid == 0) {
-    p.leaf_lse[blockIdx.x] = blk_lse;
-    p.leaf_cnt[blockIdx.x] = blk_cnt;
-  }
-  if (!arrive_last(p.cnt1 + s, static_cast<unsigned>(p.bps), flag)) return;
-  const ScalarLeaves leaves = merged ? load_scalar_leaves(p) : ScalarLeaves{};
-  unsigned long long* first = p.acc + s * rep * kMaxExperts;
-  for (int e = tid; e < E; e += kThreads) {
-    unsigned long long v[kAccReplicas];  // every replica's load in flight at once
-#pragma unroll
-    for (int r = 0; r < kAccReplicas; ++r) v[r] = r < rep ? __ldcg(first + r * kMaxExperts + e) : 0ull;
-    unsigned long long total = 0;
-#pragma unroll
-    for (int r = 0; r < kAccReplicas; ++r) {
-      total += v[r];
-      if (r < rep) __stcg(first + r * kMaxExperts + e, 0ull);
+      continue;
     }
-    p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>(total)) * kFixedInv;
+    const unsigned long long add = kAccArrival + static_cast<unsigned long long>(__float2ll_rn(v * p.fixed_scale));
+    const unsigned long long old = atomicAdd(rep_row + e, add);
+    if ((old & ~kAccValueMask) != rep_last) continue;
+    __stcg(rep_row + e, 0ull);  // this chunk completed replica r
+    const unsigned long long part = kAccArrival + ((old + add) & kAccValueMask);
+    const unsigned long long old_seq = atomicAdd(seq_row + e, part);
+    if ((old_seq & ~kAccValueMask) != seq_last) continue;
+    __stcg(seq_row + e, 0ull);  // ... and the sequence
+    p.prob_sum[s * E + e] = __ll2float_rn(static_cast<long long>((old_seq + part) & kAccValueMask)) * p.fixed_inv;
   }
-  if (merged) finish_scalars(p, leaves, const_cast<float*>(red), s_n);  // block-uniform (flag); red: >= kWarps floats
 }
 
-// After the last chunk of a block, when the scalars were not merged into prob_sum's ticket: the
-// block's leaves, and the last block to arrive sums every block's (red: >= kWarps floats of scratch).
+// After the block's last chunk: its scalar leaf (the count fits the 31 bits between the ready bit and the lse^2
+// bits: a block sees far fewer than 2^31 rows), its ticket, and for the last block every block's leaf summed
+// (red: >= kWarps floats of scratch). Block-uniform.
 __device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* red, unsigned long long* s_n,
                                                      float blk_lse, unsigned long long blk_cnt, int& flag, bool wanted) {
   if (!wanted) return;
   if (threadIdx.x == 0) {
-    p.leaf_lse[blockIdx.x] = blk_lse;
-    p.leaf_cnt[blockIdx.x] = blk_cnt;
+    store_relaxed(p.leaves + blockIdx.x, kLeafReady | (blk_cnt << 32) | __float_as_uint(blk_lse));
+    const unsigned ticket = atomicAdd(p.scal_ticket, 1u);  // no fence: the leaves carry their ready bit
+    flag = ticket == gridDim.x - 1u;
+    if (flag) *p.scal_ticket = 0u;
   }
-  if (arrive_last(p.scal_ticket, gridDim.x, flag)) finish_scalars(p, load_scalar_leaves(p), red, s_n);
+  __syncthreads();
+  if (flag) finish_scalars(p, take_scalar_leaves(p), red, s_n);
 }
 
 // The per-token work of the fast kernels: route one token held in x (this lane's experts e0 .. e0 + V
@@ -576,7 +608,6 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
   const FastTokenSetup<TPW> ts = fast_token_setup<V, SF, TPW>(p, lane, warp, s_bias, s_lane_gf, s_lane_jb);
   const int hl = ts.tl.hl, e0 = ts.e0, stream = warp * TPW + (lane >> 4) * (TPW - 1);
   const bool want_prob = ts.want_prob, want_scal = ts.want_scal;
-  const bool merged = stats_merged(p, want_prob, want_scal);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
@@ -623,11 +654,10 @@ __global__ void __launch_bounds__(kThreads, FastBounds<V, TPW>::kMinBlocks)
     }
     __syncthreads();
     allow_next_grid_before_stats(p);
-    commit_chunk_stats<kRows>(p, s, jc, &s_red[0][0], EP, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n, want_prob,
-                       want_scal, merged);
-    __syncthreads();  // s_red and s_flag are reused by the next chunk
+    commit_chunk_stats<kRows>(p, s, jc, &s_red[0][0], EP, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, want_prob, want_scal);
+    __syncthreads();  // s_red is reused by the next chunk
   }
-  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);
+  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal);
 }
 
 }  // namespace epx::cuda::router_kernels

@@ -216,7 +216,6 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
   for (int k = 0; k < NQ; ++k) packs[k] = lean_rank_pack(e0, k);
   const int lpg = kGroups ? p.per / V : 32;  // lanes per group; group g = lanes [g lpg, (g + 1) lpg)
   const uint32_t my_group = kGroups ? static_cast<uint32_t>(lane / lpg) : 0u;
-  const bool merged = stats_merged(p, want_prob, want_scal);
   ChunkSpan span = chunk_span(p, blockIdx.x);
   // A warp's accumulators of the chunk: zeroed here for the first chunk, after each commit for the next.
   auto zero_warp_stats = [&] {
@@ -547,13 +546,12 @@ __global__ void __launch_bounds__(kThreads, LeanBounds<V>::kMinBlocks)
     }
     __syncthreads();
     allow_next_grid_before_stats(p);
-    commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
-                               want_prob, want_scal, merged);
-    __syncthreads();  // s_red, s_wlse and s_flag are reused by the next chunk
+    commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, want_prob, want_scal);
+    __syncthreads();  // s_red and s_wlse are reused by the next chunk
     zero_warp_stats();
   }
   lean_wait<0>();  // nothing is left in flight (the groups past the end were empty)
-  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);
+  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal);
 }
 
 }  // namespace epx::cuda::router_kernels

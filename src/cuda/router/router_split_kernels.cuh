@@ -167,7 +167,6 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   const float* logits = static_cast<const float*>(p.logits);
   float* tile = s_tiles + warp * kSplitTile;
   float* red = &s_red[warp][0];
-  const bool merged = stats_merged(p, want_prob, want_scal);
   ChunkSpan span = chunk_span(p, blockIdx.x);  // before the wait below: no global memory read yet
   auto tile_rows = [&](int k) {  // rows of the chunk's tile k (the chunk's last tile may be short)
     return static_cast<int>(min(static_cast<int64_t>(TPT), span.end - (span.begin + static_cast<int64_t>(k) * TPT)));
@@ -536,12 +535,11 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
     }
     __syncthreads();
     allow_next_grid_before_stats(p);
-    commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
-                               want_prob, want_scal, merged);
-    __syncthreads();  // s_red, s_wlse and s_flag are reused by the next chunk
+    commit_chunk_stats<kWarps>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, want_prob, want_scal);
+    __syncthreads();  // s_red and s_wlse are reused by the next chunk
     zero_warp_stats();
   }
-  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);
+  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal);
 }
 
 }  // namespace epx::cuda::router_kernels

@@ -272,7 +272,6 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
   const bool has_bias = p.bias != nullptr;
 
   stage_bias(s_bias, p, E);
-  const bool merged = stats_merged(p, want_prob, want_scal);
   if (tid == 0) {
     s_blk_lse = 0.0f;
     s_blk_cnt = 0;
@@ -482,11 +481,11 @@ __global__ void __launch_bounds__(kThreads, kWideMinBlocks) route_forward_wide_k
     }
     __syncthreads();
     allow_next_grid_before_stats(p);
-    commit_chunk_stats<kWideStreams>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, s_flag, s_n,
-                                     want_prob, want_scal, merged);
-    __syncthreads();  // s_red and s_flag are reused by the next chunk
+    commit_chunk_stats<kWideStreams>(p, s, jc, &s_red[0][0], E, s_wlse, s_wcnt, s_blk_lse, s_blk_cnt, want_prob,
+                                     want_scal);
+    __syncthreads();  // s_red is reused by the next chunk
   }
-  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal && !merged);
+  finish_block_scalars(p, &s_red[0][0], s_n, s_blk_lse, s_blk_cnt, s_flag, want_scal);
 }
 
 }  // namespace epx::cuda::router_kernels
