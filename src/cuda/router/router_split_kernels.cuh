@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   constexpr int Q = Sh::Q, TPT = Sh::TPT, IBK = Sh::IBK;
   constexpr uint32_t IMK = Sh::IMK;
   constexpr int V = E / 32;   // experts per lane of the exact fallback (one token per warp)
-  constexpr int CM = E / 32;  // column sums per lane
+  constexpr int CQ = E / 128;  // quads of column sums per lane
   constexpr int NL = GPT == 2 ? 2 : 1;  // running top-8 lists per lane
   static_assert(SF == kScoreSoftmax ? (!kBias && GPT == 0) : SF == kScoreSigmoid, "unsupported scores");
   static_assert(GPT >= 0 && GPT <= 2, "0, 1 or 2 groups per lane");
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
   const bool has_first_tile = blockIdx.x < p.nchunks && span.begin + static_cast<int64_t>(warp) * TPT < span.end;
   auto zero_warp_stats = [&] {
 #pragma unroll
-    for (int m = 0; m < CM; ++m) red[32 * m + lane] = 0.0f;
+    for (int h = 0; h < CQ; ++h) reinterpret_cast<float4*>(red)[lane + 32 * h] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (lane == 0) {
       s_wlse[warp] = 0.0f;
       s_wcnt[warp] = 0;
@@ -500,18 +500,25 @@ __global__ void __launch_bounds__(kThreads, kSplitBlocksPerSm)
       unsigned slow_lanes = __ballot_sync(kFull, q == 0 && valid && !fast);
       __syncwarp();
       if (want_prob) {  // into red, which no other lane writes until the exact rows below
-        float acc[CM];
+        // Lane l adds the quads g = l + 32 h (experts 4 g .. 4 g + 3), 16 bytes a load: 8 lanes read 8
+        // different quads of one slice, which the swizzle puts in 8 different bank groups.
+        float4 acc[CQ];
+        float4* red4 = reinterpret_cast<float4*>(red);
 #pragma unroll
-        for (int m = 0; m < CM; ++m) acc[m] = red[32 * m + lane];
+        for (int h = 0; h < CQ; ++h) acc[h] = red4[lane + 32 * h];
 #pragma unroll
         for (int r = 0; r < TPT; ++r) {
           const float ir = s_inv[warp][r];
 #pragma unroll
-          for (int m = 0; m < CM; ++m)
-            acc[m] = fmaf(tile[split_slot(r * Q + m / 2, 32 * (m & 1) + lane)], ir, acc[m]);
+          for (int h = 0; h < CQ; ++h) {
+            const int g = lane + 32 * h, o = r * Q + g / 16;
+            const float4 v = *reinterpret_cast<const float4*>(tile + o * kSplitSpan + 4 * ((g & 15) ^ (o & 7)));
+            acc[h] = make_float4(fmaf(v.x, ir, acc[h].x), fmaf(v.y, ir, acc[h].y), fmaf(v.z, ir, acc[h].z),
+                                 fmaf(v.w, ir, acc[h].w));
+          }
         }
 #pragma unroll
-        for (int m = 0; m < CM; ++m) red[32 * m + lane] = acc[m];
+        for (int h = 0; h < CQ; ++h) red4[lane + 32 * h] = acc[h];
         if (slow_lanes != 0u) __syncwarp();  // before the exact rows add to other lanes' columns
       }
       if (want_scal) {
