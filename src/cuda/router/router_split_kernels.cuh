@@ -21,8 +21,9 @@
 //    sort) and drop the lists of the groups outside the best group_topk before merging;
 //  - the scores the weights and statistics need (u = exp(x) for softmax, the sigmoid score) are written
 //    back over the tile's logits, so the slot lanes read their picks' values and the statistics are a
-//    column pass over the tile (lane c adds experts c + 32 m of the tile's tokens, in token order,
-//    scaled by each row's 1 / S, or 1 / sum of scores for sigmoid, to the warp's row of the chunk).
+//    column pass over the tile (lane c adds the quads of experts 4 (c + 32 h) .. + 3 of the tile's tokens,
+//    in token order, scaled by each row's 1 / S, or 1 / sum of scores for sigmoid, to the warp's row of
+//    the chunk).
 // A tie of truncated keys between picks K - 1 and K, where pick K - 1 is the only pick with that key, is
 // settled from the tile: the token's lanes scan their written-back values for the best candidate with the
 // tied key by (full key, lower expert), which is pick K - 1. Rows the fast path cannot vouch for -- S out of
