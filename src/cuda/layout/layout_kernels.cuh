@@ -57,6 +57,7 @@
 
 #include "cuda/common/block_ticket.cuh"
 #include "cuda/common/dependent_launch.cuh"
+#include "cuda/common/gpu_scope_access.cuh"
 
 namespace epx::cuda::layout {
 
@@ -337,15 +338,6 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 }
 __device__ __forceinline__ unsigned long long flag_value(unsigned long long g, int stage, int b) {
   return mix64(g * 256ull + static_cast<unsigned long long>(stage) * kMaxLayoutBlocks + static_cast<unsigned>(b));
-}
-
-__device__ __forceinline__ unsigned long long load_relaxed_gpu(const unsigned long long* a) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ void store_release_gpu(unsigned long long* a, unsigned long long v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
 
 // Publishes this block's aggregates (written before the call by any thread of the block): the

@@ -39,6 +39,7 @@
 // own ready bit, summed in block order by the last block (finish_block_scalars).
 #pragma once
 
+#include "cuda/common/gpu_scope_access.cuh"
 #include "cuda/router/router_device.cuh"
 
 namespace epx::cuda::router_kernels {
@@ -161,22 +162,13 @@ constexpr unsigned long long kLeafReady = 1ull << 63;
 constexpr long long kLeafWaitCycles = 1ll << 32;  // ~2 s: a leaf is never expected to take more than microseconds
 static_assert(kMaxChunks < (1 << (64 - kAccCountShift)), "the arrival count must fit above the sum");
 
-__device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* a) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ void store_relaxed(unsigned long long* a, unsigned long long v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
-}
-
 // Block b's leaf once it is ready; after kLeafWaitCycles the status records the timeout and the leaf counts
 // as empty (the stream goes on).
 __device__ __forceinline__ unsigned long long await_leaf(const FwdParams& p, unsigned b) {
-  unsigned long long v = load_relaxed(p.leaves + b);
+  unsigned long long v = load_relaxed_gpu(p.leaves + b);
   if (v & kLeafReady) return v;
   const long long start = clock64();
-  while (!((v = load_relaxed(p.leaves + b)) & kLeafReady))
+  while (!((v = load_relaxed_gpu(p.leaves + b)) & kLeafReady))
     if (clock64() - start > kLeafWaitCycles) {
       atomicOr(p.status, kStatusStatsTimeout);
       return 0ull;
@@ -284,7 +276,7 @@ __device__ __forceinline__ void finish_block_scalars(const FwdParams& p, float* 
                                                      float blk_lse, unsigned long long blk_cnt, int& flag, bool wanted) {
   if (!wanted) return;
   if (threadIdx.x == 0) {
-    store_relaxed(p.leaves + blockIdx.x, kLeafReady | (blk_cnt << 32) | __float_as_uint(blk_lse));
+    store_relaxed_gpu(p.leaves + blockIdx.x, kLeafReady | (blk_cnt << 32) | __float_as_uint(blk_lse));
     const unsigned ticket = atomicAdd(p.scal_ticket, 1u);  // no fence: the leaves carry their ready bit
     flag = ticket == gridDim.x - 1u;
     if (flag) *p.scal_ticket = 0u;
