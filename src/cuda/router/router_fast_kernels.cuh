@@ -44,7 +44,6 @@
 
 namespace epx::cuda::router_kernels {
 
-
 // Registers: one token per warp fits 64 per thread (4 blocks of 8 warps per SM) up to V = 8;
 // two tokens per warp hold twice the elements per lane and take 128 (2 blocks per SM).
 template <int V, int TPW>
@@ -142,8 +141,8 @@ __device__ __forceinline__ void load_bias(float (&bias)[V], const float* s_bias,
   }
 }
 
-// Statistics leave a block in words that carry their own arrival, so that the last block's tail is one
-// L2 round trip for prob_sum and two for the scalars, with no fence on either:
+// Statistics leave a block in words that carry their own arrival, so that the last block's tail is two
+// L2 round trips for prob_sum (its replica, then its sequence) and two for the scalars, with no fence:
 //  - prob_sum (several chunks a sequence): an accumulator word counts arrivals in its top bits (from
 //    kAccCountShift) and holds a fixed-point sum below them; an atomic add of (1 << kAccCountShift) + a value
 //    returns the old word, so the add that completes the count has the whole sum. Chunk j of sequence s adds
