@@ -7,10 +7,10 @@
 #
 # On the development machine, for each version other than the working tree (the GPU machine has no git):
 #   scripts/kernel_ab.sh save base HEAD       # HEAD's version of every file the working tree changes
-#   scripts/kernel_ab.sh save older main~2    # ... or another revision's
+#   scripts/kernel_ab.sh save older main~2    # main~2's version of every file that differs from it
 #   scripts/kernel_ab.sh save try             # the working tree's changed files as they are now (then edit on)
-# A version holds the files the working tree changed when it was saved; any other file comes from the tree, so
-# save a revision's version after the last edit. Versions live in .carry/ab/NAME (carry .carry). Then on the
+# A version holds the files that differed when it was saved; any other file comes from the tree, so save a
+# revision's version after the last edit. Versions live in .carry/ab/NAME (carry .carry). Then on the
 # GPU machine:
 #   VERSIONS="base try" RUNS="--case softmax_top8 --kernel split;--case deepseek_v3 --kernel split" \
 #     scripts/kernel_ab.sh run
@@ -28,9 +28,9 @@ if [ "$mode" = save ]; then
   name=${2:?usage: scripts/kernel_ab.sh save NAME [REV]}
   rev=${3:-}
   [ "$name" != tree ] || { echo "kernel_ab: \"tree\" is the working tree itself" >&2; exit 2; }
-  files=$(git diff --name-only HEAD -- src include tests bench)
+  files=$(git diff --name-only "${rev:-HEAD}" -- src include tests bench)
   if [ -z "$files" ]; then
-    echo "kernel_ab: the working tree changes no file under src, include, tests or bench" >&2
+    echo "kernel_ab: the working tree differs from ${rev:-HEAD} in no file under src, include, tests or bench" >&2
     exit 2
   fi
   rm -rf ".carry/ab/$name"
