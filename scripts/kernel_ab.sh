@@ -90,7 +90,7 @@ for v in $VERSIONS tree; do
     grep -E "error" -A4 "$OUT/build_$v.log" | head -20
   fi
 done
-for f in $files; do cp "$keep/$f" "$f"; done  # the tree as it came
+for f in $files; do cp -p "$keep/$f" "$f"; done  # the tree as it came (its own times: the tree build is current)
 
 n=${#built[@]}
 for r in $(seq 1 "$ROUNDS"); do
